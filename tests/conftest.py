@@ -1,0 +1,1 @@
+"""Shared pytest setup. Fixtures for real components live in tests/fixtures/."""

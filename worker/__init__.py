@@ -1,0 +1,1 @@
+"""Tandem worker: engine, KV transfer, worker server, router and CLI."""

@@ -1,0 +1,1 @@
+"""Subcommand modules of the tandem CLI; each exposes a click command named `command`."""

@@ -1,0 +1,1 @@
+"""Paged KV cache: layout, block pool, prefix hashes and the cache manager."""

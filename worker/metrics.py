@@ -1,0 +1,140 @@
+"""Every metric name and label Tandem exports, in one place.
+
+Workers and the router register their collectors from here; the autoscaler's PromQL, the
+Grafana dashboards and the alert rules are generated from the same names, so a rename here
+shows up everywhere (and a typo fails a test rather than an on-call shift).
+
+This module imports only prometheus_client, so the operator and generators can use the names
+without pulling in torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "tandem"
+
+# Labels carried by every worker/router series. `pool` is the Deployment-level pool name
+# (prefill/decode/router, or `local` under `tandem serve`), `role` the engine role.
+LABEL_MODEL = "model"
+LABEL_ROLE = "role"
+LABEL_POOL = "pool"
+COMMON_LABELS = (LABEL_MODEL, LABEL_ROLE, LABEL_POOL)
+# Extra labels on specific families.
+LABEL_TRANSPORT = "transport"
+LABEL_REASON = "reason"
+LABEL_DIRECTION = "direction"  # send | recv
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # full exposition name without _total/_bucket suffixes
+    kind: str  # gauge | counter | histogram | info
+    help: str
+    labels: tuple[str, ...] = COMMON_LABELS
+    buckets: tuple[float, ...] | None = None
+
+
+LATENCY_BUCKETS = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+ITL_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+    0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+# --- queue and scheduler state (gauges) ---
+PREFILL_QUEUE_REQUESTS = MetricDef(
+    f"{PREFIX}_prefill_queue_requests", "gauge",
+    "Requests waiting for or in prefill on this worker (the prefill autoscaling signal).")
+PREFILL_QUEUE_TOKENS = MetricDef(
+    f"{PREFIX}_prefill_queue_tokens", "gauge",
+    "Prompt tokens not yet prefilled on this worker.")
+RUNNING_REQUESTS = MetricDef(
+    f"{PREFIX}_running_requests", "gauge", "Requests in the running batch.")
+WAITING_REQUESTS = MetricDef(
+    f"{PREFIX}_waiting_requests", "gauge", "Requests admitted but waiting for KV or a batch slot.")
+KV_USAGE_RATIO = MetricDef(
+    f"{PREFIX}_kv_cache_usage_ratio", "gauge",
+    "Fraction of KV-cache blocks in use, 0..1 (the decode autoscaling signal).")
+KV_FREE_BLOCKS = MetricDef(f"{PREFIX}_kv_cache_free_blocks", "gauge", "Free KV-cache blocks.")
+KV_TOTAL_BLOCKS = MetricDef(f"{PREFIX}_kv_cache_total_blocks", "gauge", "KV-cache blocks in the pool.")
+
+# --- latency (histograms, seconds) ---
+TTFT = MetricDef(f"{PREFIX}_time_to_first_token_seconds", "histogram",
+                 "Time from request arrival to its first token.", buckets=LATENCY_BUCKETS)
+ITL = MetricDef(f"{PREFIX}_inter_token_latency_seconds", "histogram",
+                "Time between consecutive output tokens of a request.", buckets=ITL_BUCKETS)
+E2E = MetricDef(f"{PREFIX}_e2e_request_latency_seconds", "histogram",
+                "Time from request arrival to its last token.", buckets=LATENCY_BUCKETS)
+
+# --- token and request counters ---
+PROMPT_TOKENS = MetricDef(f"{PREFIX}_prompt_tokens", "counter", "Prompt tokens processed.")
+GENERATION_TOKENS = MetricDef(f"{PREFIX}_generation_tokens", "counter", "Tokens generated.")
+REQUESTS = MetricDef(f"{PREFIX}_requests", "counter", "Finished requests, by finish reason.",
+                     labels=(*COMMON_LABELS, LABEL_REASON))
+PREFIX_CACHE_QUERIES = MetricDef(f"{PREFIX}_prefix_cache_queries", "counter",
+                                 "Prompt tokens looked up in the prefix cache.")
+PREFIX_CACHE_HITS = MetricDef(f"{PREFIX}_prefix_cache_hits", "counter",
+                              "Prompt tokens found in the prefix cache.")
+
+# --- KV transfer ---
+KV_TRANSFER_BYTES = MetricDef(f"{PREFIX}_kv_transfer_bytes", "counter", "KV bytes moved between workers.",
+                              labels=(*COMMON_LABELS, LABEL_TRANSPORT, LABEL_DIRECTION))
+KV_TRANSFER_SECONDS = MetricDef(f"{PREFIX}_kv_transfer_seconds", "histogram",
+                                "Duration of one request's KV transfer.",
+                                labels=(*COMMON_LABELS, LABEL_TRANSPORT, LABEL_DIRECTION),
+                                buckets=TRANSFER_BUCKETS)
+KV_TRANSFER_FAILURES = MetricDef(f"{PREFIX}_kv_transfer_failures", "counter",
+                                 "KV transfers that failed or timed out, by reason.",
+                                 labels=(*COMMON_LABELS, LABEL_TRANSPORT, LABEL_REASON))
+KV_TRANSPORT_INFO = MetricDef(f"{PREFIX}_kv_transport", "gauge",
+                              "1 for the KV transport this worker selected (auto picks rdma or tcp).",
+                              labels=(*COMMON_LABELS, LABEL_TRANSPORT))
+FALLBACK_PREFILLS = MetricDef(f"{PREFIX}_fallback_prefills", "counter",
+                              "Requests prefilled locally on decode after a failed KV transfer.")
+MIGRATIONS = MetricDef(f"{PREFIX}_migrations", "counter",
+                       "Requests moved to another decode worker mid-stream (router).")
+
+# --- worker health ---
+WORKER_READY = MetricDef(f"{PREFIX}_worker_ready", "gauge", "1 when the worker accepts requests.")
+
+ALL_WORKER_METRICS = (
+    PREFILL_QUEUE_REQUESTS, PREFILL_QUEUE_TOKENS, RUNNING_REQUESTS, WAITING_REQUESTS,
+    KV_USAGE_RATIO, KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, TTFT, ITL, E2E, PROMPT_TOKENS,
+    GENERATION_TOKENS, REQUESTS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, KV_TRANSFER_BYTES,
+    KV_TRANSFER_SECONDS, KV_TRANSFER_FAILURES, KV_TRANSPORT_INFO, FALLBACK_PREFILLS, MIGRATIONS,
+    WORKER_READY,
+)
+
+# --- operator / autoscaler (label `pool` is prefill|decode, `namespace` and `name` the resource) ---
+LABEL_NAMESPACE = "namespace"
+LABEL_NAME = "name"
+OPERATOR_LABELS = (LABEL_NAMESPACE, LABEL_NAME, LABEL_POOL)
+AUTOSCALER_DESIRED = MetricDef(f"{PREFIX}_autoscaler_desired_replicas", "gauge",
+                               "Replicas the autoscaler wants for a pool.", labels=OPERATOR_LABELS)
+AUTOSCALER_CURRENT = MetricDef(f"{PREFIX}_autoscaler_current_replicas", "gauge",
+                               "Replicas a pool has now.", labels=OPERATOR_LABELS)
+AUTOSCALER_SIGNAL = MetricDef(f"{PREFIX}_autoscaler_signal", "gauge",
+                              "The pool's scaling signal (queue depth or KV usage).", labels=OPERATOR_LABELS)
+AUTOSCALER_TARGET = MetricDef(f"{PREFIX}_autoscaler_target", "gauge",
+                              "The pool's target for its signal.", labels=OPERATOR_LABELS)
+AUTOSCALER_SCALE_EVENTS = MetricDef(f"{PREFIX}_autoscaler_scale_events", "counter",
+                                    "Scale changes made by the autoscaler.",
+                                    labels=(*OPERATOR_LABELS, "direction"))
+RECONCILE_ERRORS = MetricDef(f"{PREFIX}_operator_reconcile_errors", "counter",
+                             "Reconcile attempts that raised.", labels=(LABEL_NAMESPACE, LABEL_NAME))
+RECONCILES = MetricDef(f"{PREFIX}_operator_reconciles", "counter",
+                       "Reconcile attempts.", labels=(LABEL_NAMESPACE, LABEL_NAME))
+
+ALL_OPERATOR_METRICS = (
+    AUTOSCALER_DESIRED, AUTOSCALER_CURRENT, AUTOSCALER_SIGNAL, AUTOSCALER_TARGET,
+    AUTOSCALER_SCALE_EVENTS, RECONCILE_ERRORS, RECONCILES,
+)
+
+
+def exposed_name(metric: MetricDef) -> str:
+    """Name as it appears in PromQL: counters get _total (prometheus_client adds it)."""
+    return f"{metric.name}_total" if metric.kind == "counter" else metric.name
