@@ -51,8 +51,29 @@ def bin_dir() -> Path:
     return cache_root() / f"k8s-{K8S_VERSION}-kwok-{KWOK_VERSION}-helm-{HELM_VERSION}" / "bin"
 
 
+# kwok needs Stage objects that describe node and pod lifecycles; we take the "fast" ones that
+# kwokctl uses from the pinned kwok module itself.
+KWOK_STAGES = [
+    "kustomize/stage/node/fast/node-initialize.yaml",
+    "kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml",
+    "kustomize/stage/pod/fast/pod-ready.yaml",
+    "kustomize/stage/pod/fast/pod-complete.yaml",
+    "kustomize/stage/pod/fast/pod-delete.yaml",
+]
+STAGES_FILE = "kwok-stages.yaml"
+
+
 def missing_binaries() -> list[str]:
-    return [b for b in ALL_BINARIES if not os.access(bin_dir() / b, os.X_OK)]
+    missing = [b for b in ALL_BINARIES if not os.access(bin_dir() / b, os.X_OK)]
+    if "kwok" not in missing and not (bin_dir() / STAGES_FILE).exists():
+        missing.append("kwok")
+    return missing
+
+
+def write_kwok_stages(out: Path, go_env: dict[str, str]) -> None:
+    info = json.loads(_run(["go", "mod", "download", "-json", f"sigs.k8s.io/kwok@{KWOK_VERSION}"], env=go_env))
+    docs = [(Path(info["Dir"]) / rel).read_text().strip() for rel in KWOK_STAGES]
+    (out / STAGES_FILE).write_text("\n---\n".join(docs) + "\n")
 
 
 def _run(cmd: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
@@ -154,6 +175,8 @@ def build(verbose: bool = True) -> Path:
         _run(["go", "install", "-trimpath", "-ldflags", "-s -w", STANDALONE[name]],
              env=dict(go_env, GOBIN=str(gobin), GOFLAGS=""))
         os.replace(gobin / name, out / name)
+        if name == "kwok":
+            write_kwok_stages(out, go_env)
     log(f"done: {', '.join(missing)} in {out}")
     return out
 

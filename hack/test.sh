@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Install everything the tests need, then run lint, type checks and the whole test suite.
+#   hack/test.sh [pytest args]
+# Installs: Debian's prometheus (when missing; needs root or sudo), the Python packages into .venv,
+# and the local control plane's binaries (built from pinned Go modules on first use, then reused
+# from ~/.cache/tandem).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if ! command -v prometheus >/dev/null || ! command -v promtool >/dev/null; then
+  echo "test: installing Debian's prometheus package" >&2
+  sudo_cmd=""; [ "$(id -u)" = 0 ] || sudo_cmd="sudo"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq prometheus >/dev/null
+fi
+hack/setup.sh worker,operator,test,dev
+echo "test: building or reusing the control plane binaries" >&2
+python3 hack/k8s_build.py >/dev/null
+
+echo "test: ruff" >&2
+.venv/bin/ruff check .
+echo "test: mypy" >&2
+hack/typecheck.sh
+echo "test: pytest" >&2
+exec .venv/bin/pytest "$@"
