@@ -20,9 +20,8 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import monitoring_config as cfg  # noqa: E402
-
-from tandem.worker import metrics as m  # noqa: E402
+import monitoring_config as cfg
+from tandem.worker import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent
 OUTPUTS = (
@@ -144,10 +143,11 @@ def worker_alerts() -> list[Rule]:
     pools = [cfg.regex(m.LABEL_POOL, cfg.SCALED_POOLS)]
     group = cfg.by(cfg.POOL_GROUPING)
     current = f"sum {group} ({cfg.series(m.AUTOSCALER_CURRENT, matchers=pools)})"
-    # Workers label series with the served model name; the operator serves each
-    # DisaggregatedModel under its own name, so model == name joins the two.
+    # Workers label series with the served model name; the scrape adds the resource's name
+    # as a target label, which joins them to the operator's per-resource series.
     ready = cfg.series(m.WORKER_READY, matchers=pools)
-    ready_by_name = f'sum {group} (label_replace({ready}, "name", "$1", "model", "(.*)"))'
+    ready_by_name = (f'sum {group} (label_replace({ready}, "{m.LABEL_NAME}", "$1", '
+                     f'"{cfg.RESOURCE_TARGET_LABEL}", "(.+)"))')
     missing = f"{current}\n- ({ready_by_name}\n   or {current} * 0)\n> 0"
     not_ready = f"{cfg.series(m.WORKER_READY)} == 0"
     return [

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import yaml
-
 from tandem.operator.crd import custom_resource_definition
 from tandem.operator.crd_docs import crd_markdown
 

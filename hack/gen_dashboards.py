@@ -23,13 +23,18 @@ from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.builders import prometheus, timeseries
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
 from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import DashboardCursorSync, DataSourceRef, VariableRefresh, VariableSort
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    VariableHide,
+    VariableRefresh,
+    VariableSort,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import monitoring_config as cfg  # noqa: E402
-
-from tandem.worker import metrics as m  # noqa: E402
+import monitoring_config as cfg
+from tandem.worker import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO / "charts" / "tandem" / "dashboards"
@@ -67,8 +72,8 @@ def worker_selector(*extra: cfg.Matcher) -> list[cfg.Matcher]:
 
 
 def resource_selector(*extra: cfg.Matcher) -> list[cfg.Matcher]:
-    # Operator series name the DisaggregatedModel; it serves its model under the same name.
-    return [cfg.regex("namespace", "$namespace"), cfg.regex(m.LABEL_NAME, "$model"), *extra]
+    """Operator series are per DisaggregatedModel (`name`), selected by the `resource` variable."""
+    return [cfg.regex("namespace", "$namespace"), cfg.regex(m.LABEL_NAME, "$resource"), *extra]
 
 
 def quantile(q: float, metric: m.MetricDef, group: Sequence[str], matchers: list[cfg.Matcher]) -> str:
@@ -249,8 +254,8 @@ def _panel(spec: PanelSpec) -> timeseries.Panel:
 
 
 def _query_variable(name: str, label: str, metric: m.MetricDef, label_name: str,
-                    matchers: Sequence[cfg.Matcher] = ()) -> dash.QueryVariable:
-    return (
+                    matchers: Sequence[cfg.Matcher] = (), hidden: bool = False) -> dash.QueryVariable:
+    variable = (
         dash.QueryVariable(name)
         .label(label)
         .datasource(DATASOURCE)
@@ -261,6 +266,7 @@ def _query_variable(name: str, label: str, metric: m.MetricDef, label_name: str,
         .all_value(".*")
         .multi(True)
     )
+    return variable.hide(VariableHide.HIDE_VARIABLE) if hidden else variable
 
 
 def _dashboard(uid: str, title: str, description: str, rows: list[RowSpec],
@@ -278,30 +284,35 @@ def _dashboard(uid: str, title: str, description: str, rows: list[RowSpec],
     )
     for variable in variables:
         board = board.with_variable(variable)
+    next_id = 1  # Grafana links and edits panels by id, so each gets a stable, unique one
     for row in rows:
-        board = board.with_row(dash.Row(row.title))
+        board = board.with_row(dash.Row(row.title).id(next_id))
+        next_id += 1
         for spec in row.panels:
-            board = board.with_panel(_panel(spec))
+            board = board.with_panel(_panel(spec).id(next_id))
+            next_id += 1
     return board
 
 
 def dashboards() -> dict[str, dash.Dashboard]:
     """uid -> dashboard builder."""
+    in_namespace = cfg.regex("namespace", "$namespace")
     namespace = _query_variable("namespace", "Namespace", m.WORKER_READY, "namespace")
-    model = _query_variable("model", "Model", m.WORKER_READY, m.LABEL_MODEL,
-                            [cfg.regex("namespace", "$namespace")])
+    model = _query_variable("model", "Model", m.WORKER_READY, m.LABEL_MODEL, [in_namespace])
+    # The DisaggregatedModel(s) serving $model, for the operator's per-resource series.
+    served_by = _query_variable("resource", "DisaggregatedModel", m.WORKER_READY, cfg.RESOURCE_TARGET_LABEL,
+                                [in_namespace, cfg.regex(m.LABEL_MODEL, "$model")], hidden=True)
     op_namespace = _query_variable("namespace", "Namespace", m.RECONCILES, "namespace")
-    op_model = _query_variable("model", "DisaggregatedModel", m.RECONCILES, m.LABEL_NAME,
-                               [cfg.regex("namespace", "$namespace")])
+    op_resource = _query_variable("resource", "DisaggregatedModel", m.RECONCILES, m.LABEL_NAME, [in_namespace])
     return {
         "tandem-overview": _dashboard(
             "tandem-overview", "Tandem / Model overview",
             "One served model: traffic, TTFT and ITL by role, queues, KV usage, replicas, KV transfer "
-            "and the prefix cache.", overview_rows(), [namespace, model]),
+            "and the prefix cache.", overview_rows(), [namespace, model, served_by]),
         "tandem-operator": _dashboard(
             "tandem-operator", "Tandem / Operator and autoscaler",
             "Reconciles and their errors, scale events, and each pool's signal against its target.",
-            operator_rows(), [op_namespace, op_model]),
+            operator_rows(), [op_namespace, op_resource]),
     }
 
 

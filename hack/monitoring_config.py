@@ -16,7 +16,12 @@ from tandem.worker import metrics as m
 # Labels Prometheus attaches to every scraped series (Prometheus Operator monitors or the
 # plain `kubernetes_sd` example in docs/alerts.md). Operator metrics carry their own
 # `namespace` label, which is why the chart scrapes the operator with honorLabels: true.
-TARGET_LABELS = ("namespace", "pod", "instance", "job")
+# The pod label tandem.dev/model (the DisaggregatedModel's name) becomes the target label
+# tandem_dev_model: the chart's PodMonitor sets podTargetLabels, and the usual kubernetes_sd
+# `labelmap: __meta_kubernetes_pod_label_(.+)` does the same. It is the only link between a
+# worker's series (`model` is the *served* model name) and the operator's (`name`).
+RESOURCE_TARGET_LABEL = "tandem_dev_model"
+TARGET_LABELS = ("namespace", "pod", "instance", "job", RESOURCE_TARGET_LABEL)
 # Alerts and SLO recordings aggregate per served model in its namespace.
 MODEL_GROUPING = ("namespace", m.LABEL_MODEL)
 POOL_GROUPING = ("namespace", m.LABEL_NAME, m.LABEL_POOL)

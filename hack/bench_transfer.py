@@ -1,0 +1,212 @@
+#!/usr/bin/env python3
+"""KV transfer benchmark: tandem's tcp transport against the raw loopback-socket ceiling.
+
+For each batch size (bytes of KV moved by one transfer), it times transfers end to end
+(begin -> every block verified into the receiver's cache -> finish() returns) and, in the
+same run, plain-socket transfers of the same sizes (sendall / recv_into plus a 1-byte ack,
+which is the most a TCP transport can reach on this machine). The receiver runs in a child
+process in both cases, so the two sides do not share a GIL.
+
+    .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from tandem.worker.kv.layout import KVLayout
+from tandem.worker.transfer.tcp_receiver import TcpReceiver
+from tandem.worker.transfer.tcp_sender import TcpSender
+
+# One layer, fp16, 16-token blocks of 8 KV heads x 128: 32 KiB per (layer, K/V, block), a
+# typical 7B-8B model's unit; a transfer of S bytes moves S / 64 KiB blocks, K and V.
+LAYOUT = KVLayout(model="bench", dtype="float16", block_size=16, num_layers=1, num_kv_heads=8, head_dim=128)
+UNIT = 2 * LAYOUT.bytes_per_block_layer_kv  # bytes per block (K + V)
+
+
+@dataclass
+class Row:
+    size: int
+    raw_gbps: float
+    raw_p50_ms: float
+    raw_p99_ms: float
+    tcp_gbps: float
+    tcp_p50_ms: float
+    tcp_p99_ms: float
+
+    @property
+    def ratio(self) -> float:
+        return self.tcp_gbps / self.raw_gbps
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def human(size: int) -> str:
+    return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+# --- raw socket ceiling ----------------------------------------------------------------------
+
+def raw_server(port_out: Any, max_size: int) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.send(listener.getsockname()[1])
+    conn, _ = listener.accept()
+    buffer = bytearray(max_size)
+    view = memoryview(buffer)
+    while True:
+        head = conn.recv(8, socket.MSG_WAITALL)
+        if len(head) < 8:
+            return
+        size, got = int.from_bytes(head, "little"), 0
+        while got < size:
+            n = conn.recv_into(view[got:size])
+            if n == 0:
+                return
+            got += n
+        conn.sendall(b"k")
+
+
+def run_raw(sizes: list[int], seconds: float) -> dict[int, list[float]]:
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=raw_server, args=(child, max(sizes)), daemon=True)
+    proc.start()
+    port = parent.recv()
+    sock = socket.create_connection(("127.0.0.1", port))
+    payload = bytearray(os.urandom(1024)) * (max(sizes) // 1024)
+    view = memoryview(payload)
+    times: dict[int, list[float]] = {}
+    for size in sizes:
+        times[size] = []
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop or len(times[size]) < 5:
+            start = time.perf_counter()
+            sock.sendall(size.to_bytes(8, "little"))
+            sock.sendall(view[:size])
+            if sock.recv(1) != b"k":
+                raise RuntimeError("raw receiver went away")
+            times[size].append(time.perf_counter() - start)
+    sock.close()
+    proc.join(timeout=5)
+    return times
+
+
+# --- tandem tcp transport --------------------------------------------------------------------
+
+def tcp_server(conn: Any, num_blocks: int) -> None:
+    cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                        LAYOUT.head_dim, dtype=torch.float16)
+    receiver = TcpReceiver(LAYOUT, cache)
+    conn.send(receiver.address)
+    done = threading.Event()
+    errors: list[str] = []
+
+    def on_done(transfer_id: str, error: Exception | None) -> None:
+        if error is not None:
+            errors.append(str(error))
+        done.set()
+
+    while True:
+        message = conn.recv()
+        if message is None:
+            receiver.close()
+            return
+        transfer_id, block_ids = message
+        done.clear()
+        receiver.expect(transfer_id, block_ids, 30.0, on_done)
+        conn.send("ready")
+
+
+def run_tcp(sizes: list[int], seconds: float, streams: int, frame_bytes: int) -> dict[int, list[float]]:
+    num_blocks = max(sizes) // UNIT
+    parent, child = mp.Pipe()
+    proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks), daemon=True)
+    proc.start()
+    address = parent.recv()
+    cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                        LAYOUT.head_dim).to(torch.float16)
+    sender = TcpSender(LAYOUT, cache, streams=streams, frame_bytes=frame_bytes)
+    conn = sender.connect(address)
+    times: dict[int, list[float]] = {}
+    counter = 0
+    for size in sizes:
+        blocks = list(range(size // UNIT))
+        times[size] = []
+        stop = time.monotonic() + seconds
+        while time.monotonic() < stop or len(times[size]) < 5:
+            counter += 1
+            transfer_id = f"bench-{counter}"
+            parent.send((transfer_id, blocks))
+            parent.recv()
+            start = time.perf_counter()
+            transfer = conn.begin(transfer_id, blocks, 30.0)
+            transfer.send_layer(0, blocks)
+            transfer.finish()
+            times[size].append(time.perf_counter() - start)
+    sender.close()
+    parent.send(None)
+    proc.join(timeout=10)
+    return times
+
+
+def summarize(sizes: list[int], raw: dict[int, list[float]], tcp: dict[int, list[float]]) -> list[Row]:
+    rows = []
+    for size in sizes:
+        r, t = raw[size], tcp[size]
+        rows.append(Row(size, size / statistics.median(r) / 1e9, percentile(r, 0.5) * 1e3, percentile(r, 0.99) * 1e3,
+                        size / statistics.median(t) / 1e9, percentile(t, 0.5) * 1e3, percentile(t, 0.99) * 1e3))
+    return rows
+
+
+def table(rows: list[Row]) -> str:
+    lines = ["| batch | raw socket GB/s | tandem tcp GB/s | tcp / raw | raw p50 / p99 ms | tcp p50 / p99 ms |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for row in rows:
+        lines.append(f"| {human(row.size)} | {row.raw_gbps:.2f} | {row.tcp_gbps:.2f} | {row.ratio:.0%} | "
+                     f"{row.raw_p50_ms:.2f} / {row.raw_p99_ms:.2f} | {row.tcp_p50_ms:.2f} / {row.tcp_p99_ms:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
+    parser.add_argument("--seconds", type=float, default=1.5, help="time spent per size and transport")
+    parser.add_argument("--streams", type=int, default=2)
+    parser.add_argument("--frame-bytes", default="4M")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if any(size < UNIT or size % UNIT for size in sizes):
+        parser.error(f"every size must be a positive multiple of {UNIT} bytes (one block, K and V)")
+    raw = run_raw(sizes, args.seconds)
+    tcp = run_tcp(sizes, args.seconds, args.streams, parse_size(args.frame_bytes))
+    rows = summarize(sizes, raw, tcp)
+    print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, one run; GB/s from the median transfer)")
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([{**asdict(row), "ratio": row.ratio} for row in rows], out, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,359 @@
+"""The DisaggregatedModel resource (tandem.dev/v1alpha1): the single source of its schema.
+
+The CRD in crds/ and the reference in docs/crd.md are generated from these models by
+hack/gen_crd.py; a unit test fails when the committed files are stale. Field names are
+snake_case here and camelCase on the wire.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+from tandem.operator.rules import ApiModel, CrossFieldRule
+
+GROUP = "tandem.dev"
+VERSION = "v1alpha1"
+KIND = "DisaggregatedModel"
+PLURAL = "disaggregatedmodels"
+SINGULAR = "disaggregatedmodel"
+SHORT_NAMES = ("dm",)
+API_VERSION = f"{GROUP}/{VERSION}"
+
+DEFAULT_IMAGE = "ghcr.io/tandem-serving/tandem:0.1.0"
+DEFAULT_RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+POWERS_OF_TWO = tuple(2**i for i in range(11))  # 1 .. 1024 tokens per KV block
+# Children are named <name>-prefill etc. and Services must be DNS-1035 labels (<= 63 chars).
+MAX_NAME_LENGTH = 55
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+
+Quantity = Annotated[int | str, Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.")]
+PoolName = Literal["prefill", "decode"]
+POOLS: tuple[PoolName, ...] = ("prefill", "decode")
+
+
+# ---------------------------------------------------------------- model
+
+
+class PvcSource(ApiModel):
+    """A PersistentVolumeClaim holding the model folder; mounted read-only at /models."""
+
+    claim_name: str = Field(min_length=1, max_length=253, description="Name of the claim, in the resource's namespace.")
+    sub_path: str = Field(default="", max_length=1024, description="Folder inside the volume that holds config.json.")
+
+
+class ModelSource(ApiModel):
+    """Where the model folder (config.json, *.safetensors, tokenizer.json) comes from: exactly one of path or pvc."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="[has(self.path), has(self.pvc)].filter(x, x).size() == 1",
+            message="model.source needs exactly one of path or pvc",
+            check=lambda s: (s.path is not None) + (s.pvc is not None) == 1,
+        ),
+    )
+
+    path: str | None = Field(
+        default=None, min_length=2, max_length=1024, pattern=r"^/",
+        description="Absolute path of the model folder inside the worker container (baked into the image or mounted by you).",
+    )
+    pvc: PvcSource | None = Field(default=None, description="Mount the model folder from a PersistentVolumeClaim.")
+
+
+class ModelSpec(ApiModel):
+    """The model to serve."""
+
+    name: str = Field(
+        min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$",
+        description="Name clients pass as `model` in OpenAI requests; also part of the KV layout hash.",
+    )
+    source: ModelSource = Field(description="Where the weights come from.")
+    dtype: Literal["bfloat16", "float16", "float32"] = Field(
+        default="bfloat16", description="Weight and KV-cache dtype; part of the KV layout hash."
+    )
+    max_model_len: int = Field(default=4096, ge=16, le=1_048_576, description="Longest prompt plus output, in tokens.")
+
+
+# ---------------------------------------------------------------- KV transfer
+
+
+class KVTransferSpec(ApiModel):
+    """How prefill workers ship KV blocks to decode workers."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"self.blockSize in {list(POWERS_OF_TWO)}",
+            message="blockSize must be a power of two (1, 2, 4, ... 1024)",
+            check=lambda s: s.block_size in POWERS_OF_TWO,
+            field_path=".blockSize",
+        ),
+    )
+
+    transport: Literal["auto", "rdma", "tcp"] = Field(
+        default="auto",
+        description="auto uses RDMA where the pod got an RDMA device and TCP otherwise; rdma and auto request "
+        "the rdmaResource device-plugin resource for every worker pod.",
+    )
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block; part of the KV layout hash.")
+    rdma_resource: str = Field(
+        default=DEFAULT_RDMA_RESOURCE, min_length=3, max_length=253, pattern=r"^[A-Za-z0-9.-]+/[A-Za-z0-9_.-]+$",
+        description="Extended resource that an RDMA device plugin advertises (one is requested per worker pod).",
+    )
+
+
+# ---------------------------------------------------------------- pods
+
+
+class Toleration(ApiModel):
+    """A pod toleration (the core/v1 Toleration fields)."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.operator != 'Exists' || !has(self.value) || self.value == ''",
+            message="a toleration with operator Exists must not set value",
+            check=lambda t: t.operator != "Exists" or not t.value,
+            field_path=".value",
+        ),
+        CrossFieldRule(
+            cel="self.operator == 'Exists' || (has(self.key) && self.key != '')",
+            message="a toleration with operator Equal needs a key",
+            check=lambda t: t.operator == "Exists" or bool(t.key),
+            field_path=".key",
+        ),
+    )
+
+    key: str | None = Field(default=None, max_length=316, description="Taint key; empty with operator Exists matches every taint.")
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="How key and value are matched.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value (operator Equal only).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect to match; empty matches all effects."
+    )
+    toleration_seconds: int | None = Field(default=None, ge=0, description="How long a NoExecute taint is tolerated.")
+
+
+class EnvVar(ApiModel):
+    """An environment variable for the container."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!(has(self.value) && has(self.valueFrom))",
+            message="an env var sets value or valueFrom, not both",
+            check=lambda e: e.value is None or e.value_from is None,
+        ),
+    )
+
+    name: str = Field(min_length=1, max_length=256, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name.")
+    value: str | None = Field(default=None, description="Literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None, description="A core/v1 EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, ...), passed through."
+    )
+
+
+class ResourceRequirements(ApiModel):
+    """Extra container resources. The operator adds nvidia.com/gpu (and the RDMA resource) itself."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu, memory.")
+    limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
+
+
+class AutoscalingSpec(ApiModel):
+    """Autoscaling bounds shared by both pools. When enabled, the autoscaler owns the replica count."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.minReplicas <= self.maxReplicas",
+            message="minReplicas must not exceed maxReplicas",
+            check=lambda a: a.min_replicas <= a.max_replicas,
+            field_path=".minReplicas",
+        ),
+    )
+
+    enabled: bool = Field(default=False, description="Let the autoscaler set replicas (spec replicas is then the starting size).")
+    min_replicas: int = Field(default=1, ge=0, le=1000, description="Fewest replicas the autoscaler may set.")
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="Most replicas the autoscaler may set.")
+    scale_up_stabilization_seconds: int = Field(
+        default=0, ge=0, le=3600, description="Window over which the highest recent recommendation is used for scale-up."
+    )
+    scale_down_stabilization_seconds: int = Field(
+        default=300, ge=0, le=3600, description="Window over which the highest recent recommendation is kept before scale-down."
+    )
+
+
+class PrefillAutoscalingSpec(AutoscalingSpec):
+    """Prefill scales on its queue: requests waiting for or in prefill, per replica."""
+
+    target_queue_depth: float = Field(default=4.0, gt=0, le=10_000, description="Queued requests per prefill replica to aim for.")
+
+
+class DecodeAutoscalingSpec(AutoscalingSpec):
+    """Decode scales on KV-cache memory pressure."""
+
+    target_kv_utilization: float = Field(
+        default=0.75, alias="targetKVUtilization", gt=0, le=1, description="Fraction of KV-cache blocks in use (0 < x <= 1) to aim for."
+    )
+
+
+class PoolSpec(ApiModel):
+    """One worker pool (a Deployment of identical workers)."""
+
+    replicas: int = Field(default=1, ge=0, le=1000, description="Workers in the pool (while autoscaling is disabled).")
+    gpus_per_replica: int = Field(
+        default=1, ge=1, le=64, description="GPUs per worker pod: the tensor-parallel size; part of the KV layout hash."
+    )
+    gpu_type: str | None = Field(
+        default=None, max_length=63, description="Value of the nvidia.com/gpu.product node label to require, e.g. NVIDIA-H100-80GB-HBM3."
+    )
+    node_selector: dict[str, str] | None = Field(
+        default=None, description="Node labels to require. Unset: tandem.dev/pool=<pool> (and a toleration for that taint)."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, max_length=32, description="Added to the toleration for the tandem.dev/pool taint."
+    )
+    affinity: dict[str, Any] | None = Field(default=None, description="A core/v1 Affinity, passed through to the pods.")
+    resources: ResourceRequirements = Field(
+        default_factory=lambda: ResourceRequirements(), description="Extra container resources (cpu, memory, ...)."
+    )
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+    args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem worker`.")
+    shm_size: Quantity = Field(default="8Gi", description="Size of the shared-memory (/dev/shm) volume.")
+
+
+class PrefillPoolSpec(PoolSpec):
+    """The prefill pool: ingests prompts and ships their KV cache."""
+
+    autoscaling: PrefillAutoscalingSpec = Field(
+        default_factory=lambda: PrefillAutoscalingSpec(), description="Queue-depth autoscaling."
+    )
+
+
+class DecodePoolSpec(PoolSpec):
+    """The decode pool: receives KV caches and generates tokens."""
+
+    autoscaling: DecodeAutoscalingSpec = Field(
+        default_factory=lambda: DecodeAutoscalingSpec(), description="KV-utilization autoscaling."
+    )
+
+
+class RouterServiceSpec(ApiModel):
+    """The Service in front of the router (the OpenAI endpoint)."""
+
+    type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(default="ClusterIP", description="Service type.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Service port; the API is at http://<name>.<namespace>.svc:<port>/v1.")
+
+
+class RouterSpec(ApiModel):
+    """The OpenAI-compatible router."""
+
+    replicas: int = Field(default=1, ge=0, le=100, description="Router pods.")
+    node_selector: dict[str, str] | None = Field(default=None, description="Node labels to require.")
+    tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
+    resources: ResourceRequirements = Field(default_factory=lambda: ResourceRequirements(), description="Container resources.")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+    args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem router`.")
+    service: RouterServiceSpec = Field(default_factory=lambda: RouterServiceSpec(), description="The router's Service.")
+
+
+# ---------------------------------------------------------------- objectives
+
+
+class SloSpec(ApiModel):
+    """Latency objectives; the autoscaler and the dashboards measure against them."""
+
+    ttft_ms: int = Field(default=2000, ge=1, le=600_000, description="Time-to-first-token objective, milliseconds.")
+    itl_ms: int = Field(default=100, ge=1, le=60_000, description="Inter-token latency objective, milliseconds.")
+
+
+class RatioSpec(ApiModel):
+    """Bounds on prefill replicas per decode replica, kept by the autoscaler."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.minPrefillPerDecode <= self.maxPrefillPerDecode",
+            message="minPrefillPerDecode must not exceed maxPrefillPerDecode",
+            check=lambda r: r.min_prefill_per_decode <= r.max_prefill_per_decode,
+            field_path=".minPrefillPerDecode",
+        ),
+    )
+
+    min_prefill_per_decode: float = Field(default=0.0, ge=0, le=100, description="Fewest prefill replicas per decode replica.")
+    max_prefill_per_decode: float = Field(default=8.0, gt=0, le=100, description="Most prefill replicas per decode replica.")
+
+
+class DisaggregatedModelSpec(ApiModel):
+    """One model served by a prefill pool, a decode pool and a router."""
+
+    model: ModelSpec = Field(description="The model to serve.")
+    image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Container image with the `tandem` command.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(default="IfNotPresent", description="Image pull policy.")
+    kv_transfer: KVTransferSpec = Field(default_factory=lambda: KVTransferSpec(), description="KV-cache transfer between pools.")
+    prefill: PrefillPoolSpec = Field(default_factory=lambda: PrefillPoolSpec(), description="The prefill pool.")
+    decode: DecodePoolSpec = Field(default_factory=lambda: DecodePoolSpec(), description="The decode pool.")
+    router: RouterSpec = Field(default_factory=lambda: RouterSpec(), description="The router.")
+    slo: SloSpec = Field(default_factory=lambda: SloSpec(), description="Latency objectives.")
+    ratio: RatioSpec = Field(default_factory=lambda: RatioSpec(), description="Prefill/decode ratio bounds.")
+
+    def pool(self, name: PoolName) -> PrefillPoolSpec | DecodePoolSpec:
+        return self.prefill if name == "prefill" else self.decode
+
+
+# ---------------------------------------------------------------- status
+
+
+class Condition(ApiModel):
+    """A condition as in the Kubernetes API conventions."""
+
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
+    reason: str = Field(description="CamelCase reason for the last transition.")
+    message: str = Field(default="", description="Human-readable details.")
+    last_transition_time: str = Field(description="When status last changed (RFC 3339).")
+    observed_generation: int | None = Field(default=None, description="metadata.generation the condition was computed for.")
+
+
+class PoolStatus(ApiModel):
+    """Observed state of one pool."""
+
+    replicas: int | None = Field(default=None, description="Pods of the pool's Deployment.")
+    ready_replicas: int | None = Field(default=None, description="Pods passing their readiness probe.")
+    updated_replicas: int | None = Field(default=None, description="Pods running the current template.")
+    desired_replicas: int | None = Field(
+        default=None, description="Replicas the operator applies: spec replicas, or the autoscaler's choice when enabled."
+    )
+    summary: str | None = Field(default=None, description="readyReplicas/desiredReplicas, shown by kubectl get.")
+    last_scale_time: str | None = Field(default=None, description="When the autoscaler last changed desiredReplicas (RFC 3339).")
+    signal: float | None = Field(default=None, description="Last value of the pool's autoscaling signal.")
+    scale_reason: str | None = Field(default=None, description="Why the autoscaler chose desiredReplicas.")
+
+
+class DisaggregatedModelStatus(ApiModel):
+    """Observed state, written by the operator."""
+
+    observed_generation: int | None = Field(default=None, description="metadata.generation this status describes.")
+    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing and Degraded.")
+    prefill: PoolStatus | None = Field(default=None, description="The prefill pool.")
+    decode: PoolStatus | None = Field(default=None, description="The decode pool.")
+    router: PoolStatus | None = Field(default=None, description="The router.")
+    endpoint: str | None = Field(default=None, description="OpenAI API base URL inside the cluster.")
+    layout_hash: str | None = Field(default=None, description="KV layout hash carried by every worker pod.")
+
+
+def name_problem(name: str) -> str | None:
+    """Why a resource name cannot be used (the CRD's root rule, in Python), or None."""
+    if len(name) > MAX_NAME_LENGTH:
+        return f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children are named <name>-prefill)"
+    if not re.match(NAME_PATTERN, name):
+        return "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter"
+    return None
+
+
+ROOT_RULES = (
+    {
+        "rule": f"self.metadata.name.size() <= {MAX_NAME_LENGTH}",
+        "message": f"metadata.name must be at most {MAX_NAME_LENGTH} characters (children are named <name>-prefill)",
+    },
+    {
+        "rule": f"self.metadata.name.matches('{NAME_PATTERN}')",
+        "message": "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter",
+    },
+)

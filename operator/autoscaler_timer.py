@@ -1,0 +1,335 @@
+"""The body of the per-resource autoscaler timer: spec/status + signals + clock -> what to write.
+
+Kept free of kopf and of the Kubernetes client so it can be tested and simulated directly. The
+operator registers it as a kopf timer (default every 15 s) and then:
+  - writes `result.status` into status.<pool> (desiredReplicas, lastScaleTime, signal,
+    scaleReason): reconcile reads desiredReplicas through tandem.operator.replicas, the same
+    path as spec replicas, so the reconcile stays level-based;
+  - merges `result.conditions` (ScalingActive, ScalingLimited) with its own conditions;
+  - posts `result.events`, and keeps `result.state` for the next tick (kopf memo or status);
+  - calls `AutoscalerMetrics.record`.
+With autoscaling disabled on a pool, nothing here touches that pool: its replicas come from spec.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from tandem.operator import signals as sig
+from tandem.operator.api import POOLS, DisaggregatedModelSpec, PoolName
+from tandem.operator.autoscaling import (
+    DECODE,
+    PREFILL,
+    PolicyError,
+    PoolDecision,
+    PoolObservation,
+    PoolPolicy,
+    PoolState,
+    RatioBand,
+    decide,
+)
+from tandem.operator.conditions import ConditionValue
+from tandem.operator.replicas import desired_replicas
+from tandem.worker import metrics as m
+
+DEFAULT_INTERVAL_S = 15.0
+SCALING_ACTIVE = "ScalingActive"
+SCALING_LIMITED = "ScalingLimited"
+# ScalingLimited reasons, most important first.
+_LIMIT_REASONS = (
+    ("Unschedulable", "Unschedulable"),
+    ("RatioBand", "RatioBandUnmet"),
+    ("MaxReplicas", "TooManyReplicas"),
+    ("MaxStep", "ScaleUpLimited"),
+    ("MinMax", "OutOfBounds"),
+)
+_MAX_REASON_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class AutoscalerSettings:
+    """Operator-level settings (from the environment of the operator pod)."""
+
+    prometheus_url: str = "http://prometheus-operated.monitoring.svc:9090"
+    interval_s: float = DEFAULT_INTERVAL_S
+    queries: sig.QuerySettings = field(default_factory=sig.QuerySettings)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.interval_s) and self.interval_s >= 1):
+            raise PolicyError(f"autoscaler interval must be at least 1 s (got {self.interval_s})")
+        if not self.prometheus_url.startswith(("http://", "https://")):
+            raise PolicyError(f"Prometheus URL must start with http:// or https:// (got {self.prometheus_url!r})")
+
+    @staticmethod
+    def from_env(env: Mapping[str, str] = os.environ) -> AutoscalerSettings:
+        """TANDEM_PROMETHEUS_URL, TANDEM_AUTOSCALER_INTERVAL (s), TANDEM_AUTOSCALER_QUANTILE,
+        TANDEM_AUTOSCALER_RATE_WINDOW."""
+        try:
+            return AutoscalerSettings(
+                prometheus_url=env.get("TANDEM_PROMETHEUS_URL", AutoscalerSettings.prometheus_url),
+                interval_s=float(env.get("TANDEM_AUTOSCALER_INTERVAL", DEFAULT_INTERVAL_S)),
+                queries=sig.QuerySettings(
+                    quantile=float(env.get("TANDEM_AUTOSCALER_QUANTILE", 0.9)),
+                    rate_window=env.get("TANDEM_AUTOSCALER_RATE_WINDOW", "1m")),
+            )
+        except ValueError as exc:
+            raise PolicyError(f"bad autoscaler setting in the environment: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class PoolCounts:
+    """The pool's pods as the cluster reports them."""
+
+    ready: int
+    unschedulable: int = 0
+
+
+def count_unschedulable(pods: Iterable[Mapping[str, Any]]) -> int:
+    """Pods the scheduler could not place (Pending, PodScheduled=False, reason Unschedulable)."""
+    count = 0
+    for pod in pods:
+        if (pod.get("metadata") or {}).get("deletionTimestamp"):
+            continue
+        status = pod.get("status") or {}
+        if status.get("phase") != "Pending":
+            continue
+        for cond in status.get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                count += 1
+                break
+    return count
+
+
+def policy_for(spec: DisaggregatedModelSpec, pool: PoolName) -> tuple[PoolPolicy | None, list[str]]:
+    """The pool's PoolPolicy (None when autoscaling is off) and notes on how the spec was read."""
+    auto = spec.pool(pool).autoscaling
+    if not auto.enabled:
+        return None, []
+    notes = []
+    min_replicas = auto.min_replicas
+    if min_replicas < 1:
+        notes.append(f"{pool}: minReplicas {min_replicas} is treated as 1 (the signals come from the "
+                     "pool's own workers, so an empty pool could not scale up again)")
+        min_replicas = 1
+    if pool == PREFILL:
+        target = float(getattr(auto, "target_queue_depth"))  # noqa: B009 (per-pool model field)
+        slo_s = spec.slo.ttft_ms / 1000
+    else:
+        target = float(getattr(auto, "target_kv_utilization"))  # noqa: B009
+        slo_s = spec.slo.itl_ms / 1000
+    # Fields the CRD may not carry yet fall back to the policy defaults.
+    defaults = PoolPolicy(min_replicas=1, max_replicas=1, target=1.0)
+    optional = {
+        "tolerance": getattr(auto, "tolerance", None),
+        "max_scale_up_pods": getattr(auto, "max_scale_up_pods", None),
+        "max_scale_up_percent": getattr(auto, "max_scale_up_percent", None),
+        "cooldown_s": getattr(auto, "cooldown_seconds", None),
+        "target_tokens": getattr(auto, "target_queue_tokens", None),
+    }
+    policy = PoolPolicy(
+        min_replicas=min_replicas,
+        max_replicas=max(auto.max_replicas, min_replicas),
+        target=target,
+        scale_up_stabilization_s=float(auto.scale_up_stabilization_seconds),
+        scale_down_stabilization_s=float(auto.scale_down_stabilization_seconds),
+        slo_latency_s=slo_s,
+        tolerance=defaults.tolerance if optional["tolerance"] is None else float(optional["tolerance"]),
+        max_scale_up_pods=(defaults.max_scale_up_pods if optional["max_scale_up_pods"] is None
+                           else int(optional["max_scale_up_pods"])),
+        max_scale_up_percent=(defaults.max_scale_up_percent if optional["max_scale_up_percent"] is None
+                              else float(optional["max_scale_up_percent"])),
+        cooldown_s=defaults.cooldown_s if optional["cooldown_s"] is None else float(optional["cooldown_s"]),
+        target_tokens=None if optional["target_tokens"] is None else float(optional["target_tokens"]),
+    )
+    return policy, notes
+
+
+def ratio_band(spec: DisaggregatedModelSpec) -> RatioBand | None:
+    """spec.ratio as a band; a 0 lower bound means no lower bound."""
+    lo = spec.ratio.min_prefill_per_decode
+    hi = spec.ratio.max_prefill_per_decode
+    band = RatioBand(lo if lo > 0 else None, hi if hi > 0 else None)
+    return None if band == RatioBand() else band
+
+
+@dataclass(frozen=True)
+class ScaleEvent:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class TickResult:
+    desired: dict[str, int]  # per autoscaled pool: the new status.<pool>.desiredReplicas
+    status: dict[str, dict[str, Any]]  # per autoscaled pool: fields to merge into status.<pool>
+    conditions: list[ConditionValue]
+    events: list[ScaleEvent]
+    decisions: dict[str, PoolDecision]
+    state: dict[str, Any]  # hand back as `state` on the next tick
+    targets: dict[str, float] = field(default_factory=dict)
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _observation(pool: PoolName, current: int, counts: PoolCounts, fetched: sig.PoolSignals) -> PoolObservation:
+    primary = sig.QUEUE_REQUESTS if pool == PREFILL else sig.KV_USAGE
+    return PoolObservation(
+        replicas=current, ready=counts.ready, unschedulable=counts.unschedulable,
+        signal=fetched.get(primary),
+        signal_tokens=fetched.get(sig.QUEUE_TOKENS) if pool == PREFILL else None,
+        latency_p90_s=fetched.get(sig.LATENCY_P),
+    )
+
+
+def _limited_condition(decisions: Mapping[str, PoolDecision]) -> ConditionValue:
+    limited = {p: d for p, d in decisions.items() if d.limits}
+    if not limited:
+        return ConditionValue(SCALING_LIMITED, "False", "DesiredWithinRange",
+                              "every pool is where its load wants it")
+    present = {lim for d in limited.values() for lim in d.limits}
+    reason = next(r for key, r in _LIMIT_REASONS if key in present)
+    message = "; ".join(f"{p}: {d.reasons[-1] if d.reasons else ''}" for p, d in limited.items())
+    return ConditionValue(SCALING_LIMITED, "True", reason, message[:_MAX_REASON_CHARS])
+
+
+def _previous_status(status: Mapping[str, Any] | None, type_: str) -> str | None:
+    for cond in (status or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return str(cond.get("status"))
+    return None
+
+
+def autoscale_tick(
+    *,
+    spec: DisaggregatedModelSpec,
+    status: Mapping[str, Any] | None,
+    namespace: str,
+    counts: Mapping[str, PoolCounts],
+    signals: sig.SignalSource,
+    clock: Callable[[], float],
+    state: Mapping[str, Any] | None = None,
+) -> TickResult:
+    """One autoscaler tick for one DisaggregatedModel. Never raises on bad metrics: it holds."""
+    now = clock()
+    policies: dict[str, PoolPolicy | None] = {}
+    notes: list[str] = []
+    try:
+        for pool in POOLS:
+            policies[pool], pool_notes = policy_for(spec, pool)
+            notes += pool_notes
+        band = ratio_band(spec)
+    except PolicyError as exc:
+        return TickResult({}, {}, [ConditionValue(SCALING_ACTIVE, "False", "InvalidPolicy", str(exc))],
+                          [ScaleEvent("Warning", "InvalidAutoscalingPolicy", str(exc))], {}, dict(state or {}))
+    if all(p is None for p in policies.values()):
+        return TickResult({}, {}, [ConditionValue(SCALING_ACTIVE, "False", "AutoscalingDisabled",
+                                                  "autoscaling.enabled is false on both pools")],
+                          [], {}, dict(state or {}))
+
+    observations: dict[str, PoolObservation] = {}
+    problems: dict[str, str] = {}
+    for pool in POOLS:
+        current = desired_replicas(spec, status, pool)
+        pool_counts = counts.get(pool, PoolCounts(ready=0))
+        if policies[pool] is None:
+            observations[pool] = PoolObservation(current, pool_counts.ready, pool_counts.unschedulable)
+            continue
+        fetched = signals.fetch(pool, sig.Selector(namespace, spec.model.name, pool))
+        observations[pool] = _observation(pool, current, pool_counts, fetched)
+        primary = sig.QUEUE_REQUESTS if pool == PREFILL else sig.KV_USAGE
+        if primary in fetched.problems:
+            problems[pool] = fetched.problems[primary]
+
+    states: dict[str, PoolState] = {p: PoolState.from_dict((state or {}).get(p)) for p in POOLS}
+    decisions = decide(policies, observations, states, band, now)
+
+    desired: dict[str, int] = {}
+    status_patch: dict[str, dict[str, Any]] = {}
+    events: list[ScaleEvent] = []
+    targets: dict[str, float] = {}
+    for pool in POOLS:
+        policy, dec = policies[pool], decisions[pool]
+        if policy is None:
+            continue
+        targets[pool] = policy.target
+        reasons = "; ".join([*dec.reasons, *(n for n in notes if n.startswith(pool))])
+        desired[pool] = dec.desired
+        patch: dict[str, Any] = {"desiredReplicas": dec.desired, "signal": dec.signal,
+                                 "scaleReason": reasons[:_MAX_REASON_CHARS]}
+        if dec.state.last_scale_time is not None:
+            patch["lastScaleTime"] = rfc3339(dec.state.last_scale_time)
+        status_patch[pool] = patch
+        if dec.desired != dec.current:
+            if "Unschedulable" in dec.limits and dec.desired < dec.current:
+                kind, reason = "Warning", "ScaledBackUnschedulable"
+            else:
+                kind, reason = "Normal", "ScaledUp" if dec.desired > dec.current else "ScaledDown"
+            events.append(ScaleEvent(kind, reason, f"{pool} {dec.current} -> {dec.desired}: {reasons}"
+                                     [:_MAX_REASON_CHARS]))
+
+    if problems:
+        held = ", ".join(f"{p} at {decisions[p].desired}" for p in problems)
+        message = (f"holding {held}: " + "; ".join(f"{p}: {why}" for p, why in problems.items()))
+        active = ConditionValue(SCALING_ACTIVE, "False", "MetricsUnavailable", message[:_MAX_REASON_CHARS])
+        if _previous_status(status, SCALING_ACTIVE) != "False":
+            events.append(ScaleEvent("Warning", "MetricsUnavailable", active.message))
+    else:
+        shown = ", ".join(f"{p} {decisions[p].signal:.3g}/{targets[p]:g}" for p in targets
+                          if decisions[p].signal is not None)
+        active = ConditionValue(SCALING_ACTIVE, "True", "ValidMetrics", f"signal/target: {shown}")
+    new_state: dict[str, Any] = {p: decisions[p].state.to_dict() for p in POOLS if policies[p] is not None}
+    return TickResult(desired, status_patch, [active, _limited_condition(
+        {p: d for p, d in decisions.items() if policies[p] is not None})], events, decisions, new_state, targets)
+
+
+class AutoscalerMetrics:
+    """The operator's autoscaler metrics (names from tandem.worker.metrics); create once per process."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def gauge(d: m.MetricDef) -> Gauge:
+            return Gauge(d.name, d.help, list(d.labels), registry=registry)
+
+        self.desired = gauge(m.AUTOSCALER_DESIRED)
+        self.current = gauge(m.AUTOSCALER_CURRENT)
+        self.signal = gauge(m.AUTOSCALER_SIGNAL)
+        self.target = gauge(m.AUTOSCALER_TARGET)
+        d = m.AUTOSCALER_SCALE_EVENTS
+        self.scale_events = Counter(d.name, d.help, list(d.labels), registry=registry)
+
+    def record(self, namespace: str, name: str, result: TickResult) -> None:
+        for pool, dec in result.decisions.items():
+            if pool not in result.desired:
+                continue
+            labels = {m.LABEL_NAMESPACE: namespace, m.LABEL_NAME: name, m.LABEL_POOL: pool}
+            self.desired.labels(**labels).set(dec.desired)
+            self.current.labels(**labels).set(dec.current)
+            self.target.labels(**labels).set(result.targets.get(pool, math.nan))
+            # A missing signal is NaN in the gauge, not 0, so dashboards show a gap.
+            self.signal.labels(**labels).set(math.nan if dec.signal is None else dec.signal)
+            if dec.direction != "none":
+                self.scale_events.labels(**labels, direction=dec.direction).inc()
+
+
+__all__ = [
+    "DECODE",
+    "PREFILL",
+    "AutoscalerMetrics",
+    "AutoscalerSettings",
+    "PoolCounts",
+    "ScaleEvent",
+    "TickResult",
+    "autoscale_tick",
+    "count_unschedulable",
+    "policy_for",
+    "ratio_band",
+]

@@ -1,0 +1,333 @@
+"""Pure functions: a DisaggregatedModel spec -> the manifests of its children (plain dicts).
+
+Nothing here talks to the cluster, so every rule about what a pod looks like is unit-tested
+directly. reconcile.py applies the result with server-side apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.operator.api import (
+    API_VERSION,
+    KIND,
+    DisaggregatedModelSpec,
+    EnvVar,
+    PoolName,
+    ResourceRequirements,
+    Toleration,
+)
+
+Manifest = dict[str, Any]
+
+HTTP_PORT = 8000
+KV_PORT = 5555
+GPU_RESOURCE = "nvidia.com/gpu"
+GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
+POOL_LABEL = "tandem.dev/pool"  # on nodes (and as a taint key) in GPU node pools
+LAYOUT_HASH_LABEL = "tandem.dev/layout-hash"
+LAYOUT_HASH_ENV = "TANDEM_LAYOUT_HASH"
+MODEL_MOUNT = "/models"
+MANAGER = "tandem-operator"
+Component = str  # prefill | decode | router
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The DisaggregatedModel the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+def child_name(owner: Owner, component: Component) -> str:
+    return f"{owner.name}-{component}"
+
+
+def selector_labels(owner: Owner, component: Component) -> dict[str, str]:
+    """The immutable subset used in Deployment and Service selectors."""
+    return {
+        "app.kubernetes.io/name": "tandem",
+        "app.kubernetes.io/instance": owner.name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(owner: Owner, component: Component) -> dict[str, str]:
+    return {
+        **selector_labels(owner, component),
+        "app.kubernetes.io/managed-by": MANAGER,
+        "tandem.dev/model": owner.name,
+        "tandem.dev/role": component,
+    }
+
+
+def _metadata(owner: Owner, name: str, component: Component, extra_labels: Mapping[str, str] = {}) -> Manifest:
+    return {
+        "name": name,
+        "namespace": owner.namespace,
+        "labels": {**labels(owner, component), **extra_labels},
+        "ownerReferences": [{
+            "apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
+            "controller": True, "blockOwnerDeletion": True,
+        }],
+    }
+
+
+def endpoint_url(owner: Owner, spec: DisaggregatedModelSpec) -> str:
+    return f"http://{owner.name}.{owner.namespace}.svc:{spec.router.service.port}/v1"
+
+
+# ---------------------------------------------------------------- pod pieces
+
+
+def _tolerations(tolerations: list[Toleration]) -> list[Manifest]:
+    return [t.model_dump(by_alias=True, exclude_none=True) for t in tolerations]
+
+
+def _env(extra: list[EnvVar]) -> list[Manifest]:
+    downward = [
+        {"name": var, "valueFrom": {"fieldRef": {"fieldPath": path}}}
+        for var, path in (("POD_NAME", "metadata.name"), ("POD_NAMESPACE", "metadata.namespace"),
+                          ("POD_IP", "status.podIP"))
+    ]
+    return downward + [e.model_dump(by_alias=True, exclude_none=True) for e in extra]
+
+
+def _resources(user: ResourceRequirements, extended: Mapping[str, int]) -> Manifest:
+    """User requests/limits plus extended resources (which Kubernetes wants equal in both)."""
+    as_text = {name: str(amount) for name, amount in extended.items()}
+    requests = {name: str(q) for name, q in user.requests.items()} | as_text
+    limits = {name: str(q) for name, q in user.limits.items()} | as_text
+    out: Manifest = {}
+    if requests:
+        out["requests"] = requests
+    if limits:
+        out["limits"] = limits
+    return out
+
+
+def _probe(path: str, period: int, failures: int) -> Manifest:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+            "failureThreshold": failures, "timeoutSeconds": 2}
+
+
+def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> list[str]:
+    pool_spec = spec.pool(pool)
+    source = spec.model.source
+    if source.pvc is not None:
+        model_dir = f"{MODEL_MOUNT}/{source.pvc.sub_path}".rstrip("/")
+    else:
+        assert source.path is not None  # the one-of rule guarantees it
+        model_dir = source.path
+    return [
+        "worker", "--role", pool, "--pool", pool,
+        "--model", model_dir, "--model-name", spec.model.name,
+        "--dtype", spec.model.dtype, "--block-size", str(spec.kv_transfer.block_size),
+        "--transport", spec.kv_transfer.transport,
+        "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-port", str(KV_PORT),
+        "--tensor-parallel", str(pool_spec.gpus_per_replica),
+        "--max-model-len", str(spec.model.max_model_len),
+        "--layout-hash", layout_hash,
+        *pool_spec.args,
+    ]
+
+
+def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> Manifest:
+    pool_spec = spec.pool(pool)
+    extended = {GPU_RESOURCE: pool_spec.gpus_per_replica}
+    if spec.kv_transfer.transport in ("rdma", "auto"):
+        extended[spec.kv_transfer.rdma_resource] = 1
+    node_selector: dict[str, str] = dict(pool_spec.node_selector) if pool_spec.node_selector is not None else {POOL_LABEL: pool}
+    if pool_spec.gpu_type:
+        node_selector[GPU_PRODUCT_LABEL] = pool_spec.gpu_type
+    tolerations = [
+        {"key": POOL_LABEL, "operator": "Equal", "value": pool, "effect": "NoSchedule"},
+        {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"},
+        *_tolerations(pool_spec.tolerations),
+    ]
+    volumes: list[Manifest] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(pool_spec.shm_size)}}]
+    mounts: list[Manifest] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    if spec.model.source.pvc is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.source.pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    container: Manifest = {
+        "name": "worker",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["tandem"],
+        "args": worker_args(owner, spec, pool, layout_hash),
+        "env": [{"name": LAYOUT_HASH_ENV, "value": layout_hash}, *_env(pool_spec.env)],
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+                  {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}],
+        "resources": _resources(pool_spec.resources, extended),
+        # RDMA memory registration pins pages, which needs IPC_LOCK.
+        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+        "volumeMounts": mounts,
+        # Loading weights can take minutes: the startup probe holds off liveness until /health answers.
+        "startupProbe": _probe("/health", 10, 180),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/ready", 5, 3),
+    }
+    pod_spec: Manifest = {
+        "containers": [container],
+        "nodeSelector": node_selector,
+        "tolerations": tolerations,
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": 60,  # lets a worker drain its running requests
+    }
+    if pool_spec.affinity:
+        pod_spec["affinity"] = pool_spec.affinity
+    return {
+        "metadata": {
+            "labels": {**labels(owner, pool), LAYOUT_HASH_LABEL: layout_hash},
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                            "prometheus.io/path": "/metrics"},
+        },
+        "spec": pod_spec,
+    }
+
+
+# ---------------------------------------------------------------- children
+
+
+def _deployment(owner: Owner, component: Component, replicas: int, template: Manifest,
+                extra_labels: Mapping[str, str] = {}) -> Manifest:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _metadata(owner, child_name(owner, component), component, extra_labels),
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": selector_labels(owner, component)},
+            # Surge one pod at a time and never drop below the desired count.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": 600,
+            "template": template,
+        },
+    }
+
+
+def worker_deployment(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, replicas: int,
+                      layout_hash: str) -> Manifest:
+    template = worker_pod_template(owner, spec, pool, layout_hash)
+    return _deployment(owner, pool, replicas, template, {LAYOUT_HASH_LABEL: layout_hash})
+
+
+def worker_service(owner: Owner, pool: PoolName) -> Manifest:
+    """Headless: the router discovers the individual worker pods through it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, child_name(owner, pool), pool),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector_labels(owner, pool),
+            "ports": [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+                      {"name": "kv", "port": KV_PORT, "targetPort": "kv", "protocol": "TCP"}],
+        },
+    }
+
+
+def pool_disruption_budget(owner: Owner, pool: PoolName) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner, child_name(owner, pool), pool),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, pool)}},
+    }
+
+
+def router_args(owner: Owner, spec: DisaggregatedModelSpec) -> list[str]:
+    return [
+        "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--model-name", spec.model.name,
+        "--discovery", "k8s", "--namespace", owner.namespace,
+        "--prefill-service", child_name(owner, "prefill"), "--decode-service", child_name(owner, "decode"),
+        *spec.router.args,
+    ]
+
+
+def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int) -> Manifest:
+    router = spec.router
+    container: Manifest = {
+        "name": "router",
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["tandem"],
+        "args": router_args(owner, spec),
+        "env": _env(router.env),
+        "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+        "resources": _resources(router.resources, {}),
+        "livenessProbe": _probe("/health", 10, 3),
+        "readinessProbe": _probe("/health", 5, 3),
+    }
+    pod_spec: Manifest = {
+        "serviceAccountName": child_name(owner, "router"),
+        "containers": [container],
+        "tolerations": _tolerations(router.tolerations),
+    }
+    if router.node_selector:
+        pod_spec["nodeSelector"] = dict(router.node_selector)
+    template = {
+        "metadata": {
+            "labels": labels(owner, "router"),
+            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                            "prometheus.io/path": "/metrics"},
+        },
+        "spec": pod_spec,
+    }
+    return _deployment(owner, "router", replicas, template)
+
+
+def router_service(owner: Owner, spec: DisaggregatedModelSpec) -> Manifest:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(owner, owner.name, "router"),
+        "spec": {
+            "type": spec.router.service.type,
+            "selector": selector_labels(owner, "router"),
+            "ports": [{"name": "http", "port": spec.router.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def router_access(owner: Owner) -> list[Manifest]:
+    """ServiceAccount + Role + RoleBinding letting the router watch its pools' endpoints."""
+    name = child_name(owner, "router")
+    role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "Role",
+        "metadata": _metadata(owner, name, "router"),
+        "rules": [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": [""], "resources": ["pods", "endpoints"], "verbs": ["get", "list", "watch"]},
+        ],
+    }
+    binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1",
+        "kind": "RoleBinding",
+        "metadata": _metadata(owner, name, "router"),
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+    }
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")}
+    return [account, role, binding]
+
+
+def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping[PoolName, int],
+                   layout_hash: str) -> list[Manifest]:
+    """Every child of one resource, in apply order (RBAC before the pods that use it)."""
+    children: list[Manifest] = [*router_access(owner)]
+    for pool in ("prefill", "decode"):
+        children.append(worker_service(owner, pool))
+        children.append(pool_disruption_budget(owner, pool))
+        children.append(worker_deployment(owner, spec, pool, replicas[pool], layout_hash))
+    children.append(router_service(owner, spec))
+    children.append(router_deployment(owner, spec, spec.router.replicas))
+    return children

@@ -1,0 +1,140 @@
+"""`tandem operator`: kopf registration only. The work is in reconcile.py and the pure modules it calls.
+
+Every trigger (resource created, changed or resumed; a periodic resync; a child Deployment
+changed or deleted; a worker pod the scheduler cannot place) runs the same level-based
+reconcile, so a missed event is repaired by the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import click
+import kopf
+from prometheus_client import start_http_server
+from tandem.operator import api
+from tandem.operator.builders import MANAGER
+from tandem.operator.kube import Kube, KubeError, load_configuration
+from tandem.operator.reconcile import reconcile
+from tandem.operator.telemetry import count_reconcile
+
+ANNOTATION_PREFIX = "tandem.dev"
+MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
+RESYNC_SECONDS = float(os.environ.get("TANDEM_OPERATOR_RESYNC_SECONDS", "30"))
+RETRY_SECONDS = 10.0
+
+log = logging.getLogger("tandem.operator")
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    namespaces: tuple[str, ...]
+    metrics_port: int
+    health_port: int
+    prometheus_url: str | None
+    autoscale_interval: float
+    kubeconfig: str | None
+
+
+_kube: Kube | None = None
+
+
+def _client() -> Kube:
+    global _kube
+    if _kube is None:
+        _kube = Kube(load_configuration(os.environ.get("KUBECONFIG") or None))
+    return _kube
+
+
+def _emit(resource: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
+    kopf.event(dict(resource), type=type_, reason=reason, message=message[:1024])  # type: ignore[arg-type]
+
+
+def _reconcile(namespace: str, name: str) -> None:
+    try:
+        outcome = reconcile(_client(), namespace, name, _emit)
+    except KubeError as exc:
+        count_reconcile(namespace, name, failed=True)
+        raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
+    count_reconcile(namespace, name, failed=outcome.apply_error is not None)
+    if outcome.apply_error:
+        raise kopf.TemporaryError(outcome.apply_error, delay=RETRY_SECONDS)
+
+
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration")
+    settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's add noise
+    settings.watching.server_timeout = 120  # re-list now and then, in case a watch silently stalls
+    settings.networking.request_timeout = 30
+    _client()
+
+
+@kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
+@kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
+def on_resource(namespace: str | None, name: str, **_: Any) -> None:
+    _reconcile(namespace or "", name)
+
+
+@kopf.timer(api.GROUP, api.VERSION, api.PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+def resync(namespace: str | None, name: str, **_: Any) -> None:
+    _reconcile(namespace or "", name)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
+def on_child_deployment(body: kopf.Body, **_: Any) -> None:
+    """A child was edited, scaled, deleted or changed status: re-apply and refresh the owner's status."""
+    for ref in body.metadata.get("ownerReferences") or []:
+        if ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(f"{api.GROUP}/"):
+            _reconcile(body.metadata.namespace or "", ref["name"])
+
+
+def _unschedulable(body: kopf.Body, **_: Any) -> bool:
+    return any(c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+               for c in body.get("status", {}).get("conditions") or [])
+
+
+@kopf.on.event("v1", "pods", labels=MANAGED, when=_unschedulable)
+def on_unschedulable_pod(body: kopf.Body, **_: Any) -> None:
+    """The scheduler cannot place a worker: say so in the owner's Degraded condition now, not at the next resync."""
+    owner = body.metadata.labels.get("tandem.dev/model")
+    if owner:
+        _reconcile(body.metadata.namespace or "", owner)
+
+
+@click.command("operator")
+@click.option("--namespace", "namespaces", multiple=True, help="Watch only this namespace (repeatable). Default: all.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=8080, show_default=True,
+              help="Serve Prometheus metrics on this port (0: off).")
+@click.option("--health-port", type=click.IntRange(1, 65535), default=8081, show_default=True,
+              help="Serve GET /healthz (liveness and readiness) on this port.")
+@click.option("--prometheus-url", default=None, help="Prometheus the autoscaler queries.")
+@click.option("--autoscale-interval", type=click.FloatRange(1, 3600), default=15.0, show_default=True,
+              help="Seconds between autoscaler decisions.")
+@click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="Kubeconfig file. Default: in-cluster credentials, else $KUBECONFIG or ~/.kube/config.")
+@click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
+def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, prometheus_url: str | None,
+            autoscale_interval: float, kubeconfig: str | None, verbose: bool) -> None:
+    """Run the Kubernetes operator that turns DisaggregatedModel resources into pools and a router."""
+    if kubeconfig:
+        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # read by kopf's login and by our client
+    options = OperatorOptions(namespaces, metrics_port, health_port, prometheus_url, autoscale_interval, kubeconfig)
+    kopf.configure(verbose=verbose)
+    if metrics_port:
+        start_http_server(metrics_port)
+    kopf.run(
+        standalone=True,  # one operator replica; no kopf peering CRDs needed
+        clusterwide=not namespaces,
+        namespaces=list(namespaces),
+        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz",
+        memo=kopf.Memo(options=options),
+    )

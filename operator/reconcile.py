@@ -1,0 +1,170 @@
+"""Level-based reconcile of one DisaggregatedModel: desired children applied, status derived from them.
+
+Every call does the whole job from the current state, whatever triggered it (a spec change, a
+child Deployment edited or deleted, a timer, an operator restart), so it is idempotent and
+converges. Children are written with server-side apply by name, so a repeat never duplicates.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+from tandem.operator import builders, conditions
+from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, name_problem
+from tandem.operator.kube import Kube, KubeError
+from tandem.operator.layout_hash import spec_layout_hash
+from tandem.operator.replicas import desired_replicas
+from tandem.operator.rules import describe_validation_error
+
+# (resource, event type Normal|Warning, reason, message) -> a Kubernetes Event on the resource
+EventSink = Callable[[Mapping[str, Any], str, str, str], None]
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _lock_for(namespace: str, name: str) -> threading.Lock:
+    """Handlers for the resource and for its children may run at once; one reconcile per resource at a time."""
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+@dataclass
+class Outcome:
+    """What a reconcile did, for the handler (retry or not) and for tests."""
+
+    applied: list[str] = field(default_factory=list)
+    status: dict[str, Any] = field(default_factory=dict)
+    apply_error: str | None = None
+    invalid_spec: str | None = None
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_spec(body: Mapping[str, Any]) -> tuple[DisaggregatedModelSpec | None, str | None]:
+    """The spec as a model, or the reason it cannot be served (the API server normally refuses these)."""
+    problem = name_problem(str(body.get("metadata", {}).get("name", "")))
+    if problem:
+        return None, problem
+    try:
+        return DisaggregatedModelSpec.model_validate(body.get("spec") or {}), None
+    except ValidationError as exc:
+        return None, describe_validation_error(exc)
+
+
+def _unschedulable_by_component(pods: list[dict[str, Any]]) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for pod in pods:
+        if (pod.get("status") or {}).get("phase") != "Pending" or pod["metadata"].get("deletionTimestamp"):
+            continue
+        for cond in (pod.get("status") or {}).get("conditions") or []:
+            if cond.get("type") == "PodScheduled" and cond.get("status") == "False" \
+                    and cond.get("reason") == "Unschedulable":
+                component = pod["metadata"].get("labels", {}).get("app.kubernetes.io/component", "")
+                found.setdefault(component, []).append(str(cond.get("message", "")))
+    return found
+
+
+def _scale_events(before: Mapping[str, dict[str, Any]], owner: builders.Owner,
+                  desired: Mapping[str, int]) -> list[tuple[str, str, str]]:
+    events = []
+    for component, want in desired.items():
+        name = builders.child_name(owner, component)
+        current = before.get(name)
+        if current is None:
+            events.append(("Normal", "Created", f"created Deployment {name} with {want} replicas"))
+        elif (current.get("spec") or {}).get("replicas") != want:
+            was = (current.get("spec") or {}).get("replicas")
+            events.append(("Normal", "Scaled", f"{component}: {was} -> {want} replicas"))
+    return events
+
+
+def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome:
+    """Reconcile the resource as it is now (re-read under the lock, so a queued trigger never acts on a stale copy)."""
+    with _lock_for(namespace, name):
+        body = kube.get(API_VERSION, KIND, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return Outcome()  # gone or going: owner references let the garbage collector remove the children
+        return _reconcile_locked(kube, body, lambda *event: emit(body, *event))
+
+
+def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, str, str], None]) -> Outcome:
+    meta = body["metadata"]
+    owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    generation = int(meta.get("generation", 0))
+    old_status: Mapping[str, Any] = body.get("status") or {}
+    outcome = Outcome()
+    spec, outcome.invalid_spec = parse_spec(body)
+
+    selector = builders.selector_labels(owner, "")
+    selector.pop("app.kubernetes.io/component")
+    desired: dict[str, int] = {}
+    if spec is not None:
+        layout_hash = spec_layout_hash(spec)
+        desired = {pool: desired_replicas(spec, old_status, pool) for pool in POOLS}
+        desired["router"] = spec.router.replicas
+        before = {d["metadata"]["name"]: d for d in kube.list("apps/v1", "Deployment", owner.namespace, selector)}
+        for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash):
+            label = f"{child['kind']} {child['metadata']['name']}"
+            try:
+                kube.apply(child)
+                outcome.applied.append(label)
+            except KubeError as exc:
+                if exc.status == 0:
+                    raise  # the API server is unreachable: let the handler retry, status cannot be written either
+                outcome.apply_error = f"{label}: {exc}"
+                break
+        for event in _scale_events(before, owner, desired):
+            emit(*event)
+
+    deployments = {d["metadata"]["name"]: d for d in kube.list("apps/v1", "Deployment", owner.namespace, selector)}
+    unschedulable = _unschedulable_by_component(kube.list("v1", "Pod", owner.namespace, selector))
+    observations = [
+        conditions.PoolObservation(
+            component=component,
+            desired=desired.get(component, 0),
+            deployment=deployments.get(builders.child_name(owner, component)),
+            unschedulable=unschedulable.get(component, []),
+        )
+        for component in conditions.COMPONENTS
+    ]
+    problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error)
+    new_conditions = conditions.merge_conditions(
+        old_status.get("conditions") or [], conditions.compute_conditions(observations, problems),
+        now_rfc3339(), generation,
+    )
+    status: dict[str, Any] = {"observedGeneration": generation, "conditions": new_conditions}
+    if spec is not None:
+        status["endpoint"] = builders.endpoint_url(owner, spec)
+        status["layoutHash"] = layout_hash
+        for obs in observations:
+            pool_status = conditions.pool_status(obs)
+            if obs.component in POOLS and spec.pool(obs.component).autoscaling.enabled:
+                # The autoscaler owns desiredReplicas then; writing it back here could undo its latest choice.
+                pool_status.pop("desiredReplicas")
+            status[obs.component] = pool_status
+    outcome.status = status
+
+    if _differs(old_status, status):
+        kube.patch_status(owner.namespace, owner.name, status)
+        for event in conditions.transitions(old_status.get("conditions") or [], new_conditions):
+            emit(*event)
+    return outcome
+
+
+def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:
+    """Whether writing `new` (a merge patch) would change `old`."""
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(old.get(key), Mapping):
+            if _differs(old[key], value):
+                return True
+        elif old.get(key) != value:
+            return True
+    return False

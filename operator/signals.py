@@ -1,0 +1,183 @@
+"""The autoscaler's signals: PromQL built from tandem.worker.metrics, fetched with prometheus-api-client.
+
+Query building is pure (tested on its strings); `PrometheusSignals.fetch` turns every failure
+(connection refused, timeout, HTTP error, empty result, NaN from 0/0) into a *missing* value,
+never into zero, so the policy holds the pool instead of shrinking it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tandem.worker import metrics as m
+
+PREFILL = "prefill"
+DECODE = "decode"
+
+# The names of the values one fetch returns.
+QUEUE_REQUESTS = "queue_requests"  # prefill: queued requests per ready replica
+QUEUE_TOKENS = "queue_tokens"  # prefill: queued prompt tokens per ready replica
+KV_USAGE = "kv_usage"  # decode: KV-cache usage ratio per ready replica
+LATENCY_P = "latency_quantile"  # prefill: TTFT, decode: ITL, in seconds
+
+_DURATION = re.compile(r"^[0-9]+(ms|s|m|h)$")
+
+
+class SignalsError(ValueError):
+    """A selector or query setting that would build a wrong query."""
+
+
+@dataclass(frozen=True)
+class Selector:
+    """Which series belong to one pool of one resource.
+
+    In Kubernetes the scrape adds `namespace`; the workers carry `model`, `role` and `pool`.
+    `pool` is the worker's --pool value; the latency histograms are matched on namespace and
+    model only, since they may be observed by the router rather than the pool's workers.
+    """
+
+    namespace: str
+    model: str
+    pool: str
+
+    def __post_init__(self) -> None:
+        for name in ("namespace", "model", "pool"):
+            if not getattr(self, name):
+                raise SignalsError(f"selector {name} is empty: the query would match every {name}")
+
+    def matchers(self, *, with_pool: bool = True) -> str:
+        pairs = [(m.LABEL_NAMESPACE, self.namespace), (m.LABEL_MODEL, self.model)]
+        if with_pool:
+            pairs.append((m.LABEL_POOL, self.pool))
+        return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+
+
+def _escape(value: str) -> str:
+    """A PromQL double-quoted string: backslash, quote and newline escaped."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+@dataclass(frozen=True)
+class QuerySettings:
+    quantile: float = 0.9
+    rate_window: str = "1m"  # at least 4 scrape intervals
+
+    def __post_init__(self) -> None:
+        if not 0 < self.quantile < 1:
+            raise SignalsError(f"quantile must be in (0, 1) (got {self.quantile})")
+        if not _DURATION.match(self.rate_window):
+            raise SignalsError(f"rate window must look like 30s, 1m or 2h (got {self.rate_window!r})")
+
+
+def per_ready_replica(metric: m.MetricDef, sel: Selector) -> str:
+    """Sum of a gauge over the pool divided by its ready workers (0 ready gives NaN/Inf: missing)."""
+    if metric.kind != "gauge":
+        raise SignalsError(f"{metric.name} is a {metric.kind}, not a gauge")
+    ready = m.exposed_name(m.WORKER_READY)
+    return f"sum({m.exposed_name(metric)}{sel.matchers()}) / sum({ready}{sel.matchers()})"
+
+
+def latency_quantile(metric: m.MetricDef, sel: Selector, settings: QuerySettings) -> str:
+    """histogram_quantile over the rate of the histogram's buckets, summed by `le`."""
+    if metric.kind != "histogram":
+        raise SignalsError(f"{metric.name} is a {metric.kind}, not a histogram")
+    buckets = f"{metric.name}_bucket{sel.matchers(with_pool=False)}"
+    return (f"histogram_quantile({settings.quantile:g}, "
+            f"sum by (le) (rate({buckets}[{settings.rate_window}])))")
+
+
+def pool_queries(pool: str, sel: Selector, settings: QuerySettings = QuerySettings()) -> dict[str, str]:
+    """Every query one pool's decision needs, by value name."""
+    if pool == PREFILL:
+        return {
+            QUEUE_REQUESTS: per_ready_replica(m.PREFILL_QUEUE_REQUESTS, sel),
+            QUEUE_TOKENS: per_ready_replica(m.PREFILL_QUEUE_TOKENS, sel),
+            LATENCY_P: latency_quantile(m.TTFT, sel, settings),
+        }
+    if pool == DECODE:
+        return {
+            KV_USAGE: per_ready_replica(m.KV_USAGE_RATIO, sel),
+            LATENCY_P: latency_quantile(m.ITL, sel, settings),
+        }
+    raise SignalsError(f"unknown pool {pool!r}: expected {PREFILL!r} or {DECODE!r}")
+
+
+def scalar_from_result(result: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
+    """One number from an instant-vector result, or (None, why) when there is none to trust."""
+    if not result:
+        return None, "no series"
+    if len(result) > 1:
+        return None, f"{len(result)} series where one was expected"
+    try:
+        value = float(result[0]["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None, f"malformed sample {result[0]!r}"
+    if not math.isfinite(value):
+        return None, f"value is {value} (no ready replicas or no samples)"
+    return value, None
+
+
+@dataclass(frozen=True)
+class PoolSignals:
+    """Values for one pool; a name absent from `values` is missing, with the why in `problems`."""
+
+    values: dict[str, float] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)
+
+    def get(self, name: str) -> float | None:
+        return self.values.get(name)
+
+    def describe_problems(self) -> str:
+        return "; ".join(f"{k}: {v}" for k, v in sorted(self.problems.items()))
+
+
+class SignalSource(Protocol):
+    def fetch(self, pool: str, sel: Selector) -> PoolSignals: ...
+
+
+class _QueryClient(Protocol):
+    def custom_query(self, query: str, params: dict[str, Any] | None = None,
+                     timeout: int | None = None) -> list[dict[str, Any]]: ...
+
+
+class PrometheusSignals:
+    """SignalSource backed by a Prometheus server (URL from the operator settings)."""
+
+    def __init__(self, url: str, *, timeout_s: int = 5, settings: QuerySettings = QuerySettings(),
+                 client: _QueryClient | None = None) -> None:
+        if client is None:
+            from prometheus_api_client import PrometheusConnect
+            from urllib3.util.retry import Retry
+
+            # No retries with backoff: a tick that finds Prometheus down should report it at
+            # once and try again next interval, not stall the operator for seconds.
+            client = PrometheusConnect(url=url, retry=Retry(total=0), timeout=timeout_s)
+        self._client = client
+        self._settings = settings
+        self.url = url
+
+    def fetch(self, pool: str, sel: Selector) -> PoolSignals:
+        values: dict[str, float] = {}
+        problems: dict[str, str] = {}
+        for name, query in pool_queries(pool, sel, self._settings).items():
+            try:
+                result = self._client.custom_query(query)
+            except Exception as exc:  # connection, timeout, HTTP status, bad JSON: all "missing"
+                problems[name] = f"Prometheus at {self.url} failed: {type(exc).__name__}: {exc}"[:300]
+                if name != LATENCY_P:
+                    # Prometheus is down or refusing: the other queries would fail the same way.
+                    for other in pool_queries(pool, sel, self._settings):
+                        if other not in values and other not in problems:
+                            problems[other] = "skipped after an earlier query failed"
+                    break
+                continue
+            value, why = scalar_from_result(result)
+            if value is None:
+                problems[name] = f"{why} for {query}"
+            else:
+                values[name] = value
+        return PoolSignals(values, problems)

@@ -1,0 +1,111 @@
+"""PromQL building and result parsing (pure), and fetch failures against real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import http.server
+import math
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from tandem.operator import signals as s
+from tandem.worker import metrics as m
+
+SEL = s.Selector(namespace="team-a", model="llama-8b", pool="prefill")
+
+
+def test_prefill_queries_use_the_shared_metric_names_and_all_three_labels() -> None:
+    q = s.pool_queries(s.PREFILL, SEL)
+    labels = '{namespace="team-a",model="llama-8b",pool="prefill"}'
+    assert q[s.QUEUE_REQUESTS] == (f"sum({m.PREFILL_QUEUE_REQUESTS.name}{labels}) / "
+                                   f"sum({m.WORKER_READY.name}{labels})")
+    assert q[s.QUEUE_TOKENS].startswith(f"sum({m.PREFILL_QUEUE_TOKENS.name}{labels})")
+    assert q[s.LATENCY_P] == (f'histogram_quantile(0.9, sum by (le) (rate({m.TTFT.name}_bucket'
+                              '{namespace="team-a",model="llama-8b"}[1m])))')
+
+
+def test_decode_queries_use_kv_usage_and_itl() -> None:
+    sel = s.Selector("team-a", "llama-8b", "decode")
+    q = s.pool_queries(s.DECODE, sel, s.QuerySettings(quantile=0.99, rate_window="2m"))
+    assert set(q) == {s.KV_USAGE, s.LATENCY_P}
+    assert q[s.KV_USAGE].startswith(f'sum({m.KV_USAGE_RATIO.name}{{namespace="team-a"')
+    assert q[s.LATENCY_P].startswith(f"histogram_quantile(0.99, sum by (le) (rate({m.ITL.name}_bucket")
+    assert q[s.LATENCY_P].endswith("[2m])))")
+
+
+def test_label_values_are_escaped() -> None:
+    sel = s.Selector("ns", 'weird"model\\name', "prefill")
+    assert 'model="weird\\"model\\\\name"' in sel.matchers()
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: s.Selector("", "m", "prefill"), "namespace is empty"),
+    (lambda: s.Selector("ns", "", "prefill"), "model is empty"),
+    (lambda: s.pool_queries("router", SEL), "unknown pool 'router'"),
+    (lambda: s.QuerySettings(quantile=1.0), "quantile"),
+    (lambda: s.QuerySettings(rate_window="1 minute"), "rate window"),
+    (lambda: s.per_ready_replica(m.TTFT, SEL), "not a gauge"),
+    (lambda: s.latency_quantile(m.KV_USAGE_RATIO, SEL, s.QuerySettings()), "not a histogram"),
+])
+def test_bad_inputs_fail_with_a_clear_message(build: Any, message: str) -> None:
+    with pytest.raises(s.SignalsError, match=message):
+        build()
+
+
+@pytest.mark.parametrize(("result", "value", "why"), [
+    ([{"metric": {}, "value": [1.0, "2.5"]}], 2.5, None),
+    ([{"metric": {}, "value": [1.0, "0"]}], 0.0, None),  # a real zero stays zero
+    ([], None, "no series"),
+    ([{"metric": {}, "value": [1.0, "NaN"]}], None, "value is nan"),
+    ([{"metric": {}, "value": [1.0, "+Inf"]}], None, "value is inf"),
+    ([{"metric": {}, "value": [1.0, "1"]}, {"metric": {}, "value": [1.0, "2"]}], None, "2 series"),
+    ([{"metric": {}}], None, "malformed"),
+])
+def test_results_become_a_number_or_missing_never_a_made_up_zero(
+        result: list[dict[str, Any]], value: float | None, why: str | None) -> None:
+    got, reason = s.scalar_from_result(result)
+    assert got == value
+    assert (reason is None) if why is None else (why in str(reason))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_prometheus_down_means_every_value_missing_and_says_so() -> None:
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    got = s.PrometheusSignals(url, timeout_s=2).fetch(s.PREFILL, SEL)
+    assert got.values == {}
+    assert set(got.problems) == {s.QUEUE_REQUESTS, s.QUEUE_TOKENS, s.LATENCY_P}
+    assert "ConnectionError" in got.problems[s.QUEUE_REQUESTS] and url in got.problems[s.QUEUE_REQUESTS]
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(503)
+        self.end_headers()
+        self.wfile.write(b"overloaded")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def unavailable_server() -> Iterator[str]:
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Unavailable)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+def test_an_http_error_is_missing_too(unavailable_server: str) -> None:
+    got = s.PrometheusSignals(unavailable_server, timeout_s=2).fetch(s.DECODE, s.Selector("ns", "m", "decode"))
+    assert got.get(s.KV_USAGE) is None
+    assert "503" in got.problems[s.KV_USAGE]
+    assert not any(isinstance(v, float) and math.isfinite(v) for v in got.values.values())

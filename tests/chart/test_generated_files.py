@@ -1,0 +1,29 @@
+"""The committed generated files are what the generators produce now."""
+
+from __future__ import annotations
+
+import gen_alerts
+import gen_dashboards
+import sync_chart_crds
+
+
+def test_committed_dashboards_are_fresh() -> None:
+    stale = gen_dashboards.stale_outputs()
+    assert not stale, f"stale dashboards {stale}: run python hack/gen_dashboards.py"
+
+
+def test_committed_rules_are_fresh_in_both_places() -> None:
+    stale = gen_alerts.stale_outputs()
+    assert not stale, f"stale rules {stale}: run python hack/gen_alerts.py"
+
+
+def test_chart_crds_are_identical_to_repo_crds() -> None:
+    assert sync_chart_crds.source_crds(), "crds/ holds no CRD: run python hack/gen_crd.py"
+    problems = sync_chart_crds.differences()
+    assert not problems, f"{problems}: run python hack/sync_chart_crds.py"
+
+
+def test_check_modes_exit_zero_when_fresh() -> None:
+    assert gen_dashboards.main(["--check"]) == 0
+    assert gen_alerts.main(["--check"]) == 0
+    assert sync_chart_crds.main(["--check"]) == 0

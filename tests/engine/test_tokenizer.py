@@ -1,0 +1,60 @@
+"""Tokenizer, chat template and streaming detokenization across multi-byte characters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tandem.worker.engine.detokenizer import OutputText
+from tandem.worker.model.tokenizer import Tokenizer
+
+TEXTS = ["héllo wörld", "東京で🙂 and 🚀🚀", "naïve café, Москва!", "plain ascii text"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> Tokenizer:
+    return Tokenizer(tiny_model_dir)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_streamed_text_equals_decoded_text_and_never_shows_partial_characters(tokenizer: Tokenizer, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text
+    detok = tokenizer.new_detokenizer(context_ids=tokenizer.encode("prompt: "))
+    deltas = [detok.push(i) for i in ids]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    if any(ord(c) > 0x7FF for c in text):
+        assert "" in deltas  # some token ended mid-character and its text was held back
+
+
+def test_stop_string_split_across_tokens_is_held_back(tokenizer: Tokenizer) -> None:
+    text = "abc STOP def"
+    out = OutputText(tokenizer.new_detokenizer(), stop=["STOP"])
+    streamed, stopped = "", False
+    for i in tokenizer.encode(text, add_special_tokens=False):
+        stopped = out.push(i)
+        streamed += out.take_delta(finished=stopped)
+        if stopped:
+            break
+    assert stopped and streamed == "abc " and out.text == "abc "
+
+
+def test_chat_template_and_special_tokens(tokenizer: Tokenizer) -> None:
+    rendered = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                              {"role": "user", "content": "Hi 🙂"}])
+    assert rendered == ("<|begin_of_text|><|im_start|>system\nBe brief.<|im_end|>\n"
+                        "<|im_start|>user\nHi 🙂<|im_end|>\n<|im_start|>assistant\n")
+    ids = tokenizer.encode(rendered, add_special_tokens=False)
+    assert ids[0] == 0 and ids.count(2) == 3  # special tokens are single ids
+    assert tokenizer.eos_token_ids == {1, 3}
+    with pytest.raises(ValueError, match="list of"):
+        tokenizer.apply_chat_template(["not a message"])
+
+
+def test_missing_tokenizer_and_template_errors(tmp_path: Path, tiny_model_dir: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"no tokenizer\.json"):
+        Tokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text((tiny_model_dir / "tokenizer.json").read_text())
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])

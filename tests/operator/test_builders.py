@@ -1,0 +1,220 @@
+"""Spec -> manifests: what every child looks like, table-driven where the spec varies."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from tandem.operator import builders
+from tandem.operator.api import DisaggregatedModelSpec
+from tandem.operator.layout_hash import spec_layout_hash
+
+OWNER = builders.Owner(name="tiny", namespace="serving", uid="uid-1")
+
+
+def spec_of(**changes: Any) -> DisaggregatedModelSpec:
+    base: dict[str, Any] = {"model": {"name": "tiny-llama", "source": {"path": "/models/tiny"}}}
+    base.update(changes)
+    return DisaggregatedModelSpec.model_validate(base)
+
+
+def children(spec: DisaggregatedModelSpec, prefill: int = 1, decode: int = 1) -> dict[tuple[str, str], dict[str, Any]]:
+    built = builders.build_children(OWNER, spec, {"prefill": prefill, "decode": decode}, spec_layout_hash(spec))
+    return {(c["kind"], c["metadata"]["name"]): c for c in built}
+
+
+def worker(spec: DisaggregatedModelSpec, pool: str) -> dict[str, Any]:
+    return children(spec)[("Deployment", f"tiny-{pool}")]
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]  # type: ignore[no-any-return]
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """--name value pairs of a command line (the worker/router CLI contract)."""
+    return {args[i][2:]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+
+
+def test_one_resource_makes_every_child_once() -> None:
+    names = sorted(f"{kind}/{name}" for kind, name in children(spec_of()))
+    assert names == sorted([
+        "Deployment/tiny-prefill", "Deployment/tiny-decode", "Deployment/tiny-router",
+        "Service/tiny-prefill", "Service/tiny-decode", "Service/tiny",
+        "PodDisruptionBudget/tiny-prefill", "PodDisruptionBudget/tiny-decode",
+        "ServiceAccount/tiny-router", "Role/tiny-router", "RoleBinding/tiny-router",
+    ])
+
+
+def test_every_child_is_owned_labelled_and_namespaced() -> None:
+    for child in children(spec_of()).values():
+        meta = child["metadata"]
+        assert meta["namespace"] == "serving"
+        assert meta["ownerReferences"] == [{
+            "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "name": "tiny", "uid": "uid-1",
+            "controller": True, "blockOwnerDeletion": True}]
+        labels = meta["labels"]
+        assert labels["app.kubernetes.io/name"] == "tandem"
+        assert labels["app.kubernetes.io/instance"] == "tiny"
+        assert labels["app.kubernetes.io/managed-by"] == "tandem-operator"
+        assert labels["tandem.dev/model"] == "tiny"
+        assert labels["tandem.dev/role"] == labels["app.kubernetes.io/component"]
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_worker_command_follows_the_cli_contract(pool: str) -> None:
+    spec = spec_of(model={"name": "tiny-llama", "source": {"path": "/models/tiny"}, "dtype": "float16",
+                          "maxModelLen": 2048},
+                   kvTransfer={"transport": "tcp", "blockSize": 32}, **{pool: {"gpusPerReplica": 2, "args": ["--x", "1"]}})
+    c = container(worker(spec, pool))
+    assert c["command"] == ["tandem"]
+    assert c["args"][0] == "worker"
+    assert c["args"][-2:] == ["--x", "1"]
+    assert flags(c["args"]) == {
+        "role": pool, "pool": pool, "model": "/models/tiny", "model-name": "tiny-llama", "dtype": "float16",
+        "block-size": "32", "transport": "tcp", "host": "0.0.0.0", "port": "8000", "kv-port": "5555",
+        "tensor-parallel": "2", "max-model-len": "2048", "layout-hash": spec_layout_hash(spec), "x": "1",
+    }
+
+
+@pytest.mark.parametrize(("transport", "gpus", "expected"), [
+    ("auto", 1, {"nvidia.com/gpu": "1", "rdma/rdma_shared_device_a": "1"}),
+    ("rdma", 4, {"nvidia.com/gpu": "4", "rdma/rdma_shared_device_a": "1"}),
+    ("tcp", 8, {"nvidia.com/gpu": "8"}),
+])
+def test_worker_requests_gpus_and_rdma_device(transport: str, gpus: int, expected: dict[str, str]) -> None:
+    spec = spec_of(kvTransfer={"transport": transport}, decode={"gpusPerReplica": gpus})
+    resources = container(worker(spec, "decode"))["resources"]
+    assert resources == {"requests": expected, "limits": expected}
+
+
+def test_user_resources_are_kept_next_to_the_gpus() -> None:
+    spec = spec_of(kvTransfer={"transport": "rdma", "rdmaResource": "rdma/hca"},
+                   prefill={"resources": {"requests": {"cpu": "4", "memory": "16Gi"}, "limits": {"memory": "20Gi"}}})
+    resources = container(worker(spec, "prefill"))["resources"]
+    assert resources["requests"] == {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1", "rdma/hca": "1"}
+    assert resources["limits"] == {"memory": "20Gi", "nvidia.com/gpu": "1", "rdma/hca": "1"}
+
+
+def test_worker_pod_has_ipc_lock_shared_memory_and_probes() -> None:
+    spec = spec_of(prefill={"shmSize": "2Gi"})
+    pod = worker(spec, "prefill")["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"http": 8000, "kv": 5555}
+
+
+@pytest.mark.parametrize(("pool_spec", "selector", "extra_toleration"), [
+    ({}, {"tandem.dev/pool": "decode"}, None),
+    ({"gpuType": "NVIDIA-L40S"}, {"tandem.dev/pool": "decode", "nvidia.com/gpu.product": "NVIDIA-L40S"}, None),
+    ({"nodeSelector": {"team": "a"}}, {"team": "a"}, None),
+    ({"tolerations": [{"key": "spot", "operator": "Exists"}]}, {"tandem.dev/pool": "decode"},
+     {"key": "spot", "operator": "Exists"}),
+])
+def test_worker_node_selection(pool_spec: dict[str, Any], selector: dict[str, str],
+                               extra_toleration: dict[str, str] | None) -> None:
+    pod = worker(spec_of(decode=pool_spec), "decode")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == selector
+    assert {"key": "tandem.dev/pool", "operator": "Equal", "value": "decode", "effect": "NoSchedule"} in pod["tolerations"]
+    if extra_toleration:
+        assert extra_toleration in pod["tolerations"]
+
+
+def test_affinity_is_passed_through() -> None:
+    affinity = {"podAntiAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": [
+        {"topologyKey": "kubernetes.io/hostname", "labelSelector": {"matchLabels": {"a": "b"}}}]}}
+    pod = worker(spec_of(prefill={"affinity": affinity}), "prefill")["spec"]["template"]["spec"]
+    assert pod["affinity"] == affinity
+
+
+def test_worker_pods_carry_layout_hash_scrape_annotations_and_env() -> None:
+    spec = spec_of(decode={"env": [{"name": "A", "value": "1"},
+                                   {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]})
+    template = worker(spec, "decode")["spec"]["template"]
+    layout = spec_layout_hash(spec)
+    assert template["metadata"]["labels"]["tandem.dev/layout-hash"] == layout
+    assert template["metadata"]["labels"]["tandem.dev/role"] == "decode"
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+    assert env["TANDEM_LAYOUT_HASH"]["value"] == layout
+    assert env["A"] == {"name": "A", "value": "1"}
+    assert env["TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "s", "key": "k"}}
+
+
+def test_pvc_source_is_mounted_read_only() -> None:
+    spec = spec_of(model={"name": "m", "source": {"pvc": {"claimName": "weights", "subPath": "llama"}}})
+    pod = worker(spec, "prefill")["spec"]["template"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}} in pod["volumes"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in pod["containers"][0]["volumeMounts"]
+    assert flags(pod["containers"][0]["args"])["model"] == "/models/llama"
+
+
+def test_replicas_come_from_the_caller_not_the_spec() -> None:
+    built = children(spec_of(prefill={"replicas": 1}, decode={"replicas": 1}), prefill=3, decode=5)
+    assert built[("Deployment", "tiny-prefill")]["spec"]["replicas"] == 3
+    assert built[("Deployment", "tiny-decode")]["spec"]["replicas"] == 5
+
+
+def test_worker_services_are_headless_and_router_service_is_the_endpoint() -> None:
+    built = children(spec_of(router={"service": {"type": "LoadBalancer", "port": 9000}}))
+    for pool in ("prefill", "decode"):
+        svc = built[("Service", f"tiny-{pool}")]["spec"]
+        assert svc["clusterIP"] == "None"
+        assert {p["name"]: p["port"] for p in svc["ports"]} == {"http": 8000, "kv": 5555}
+        assert svc["selector"]["app.kubernetes.io/component"] == pool
+    router = built[("Service", "tiny")]["spec"]
+    assert router["type"] == "LoadBalancer"
+    assert router["ports"] == [{"name": "http", "port": 9000, "targetPort": "http", "protocol": "TCP"}]
+    assert builders.endpoint_url(OWNER, spec_of(router={"service": {"port": 9000}})) == "http://tiny.serving.svc:9000/v1"
+
+
+def test_router_discovers_the_pools_through_their_services() -> None:
+    built = children(spec_of(router={"replicas": 2}))
+    deployment = built[("Deployment", "tiny-router")]
+    assert deployment["spec"]["replicas"] == 2
+    c = container(deployment)
+    assert flags(c["args"]) == {
+        "host": "0.0.0.0", "port": "8000", "model-name": "tiny-llama", "discovery": "k8s", "namespace": "serving",
+        "prefill-service": "tiny-prefill", "decode-service": "tiny-decode"}
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "tiny-router"
+    binding = built[("RoleBinding", "tiny-router")]
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "serving"}]
+
+
+def test_pdb_per_pool_selects_that_pool() -> None:
+    built = children(spec_of())
+    for pool in ("prefill", "decode"):
+        pdb = built[("PodDisruptionBudget", f"tiny-{pool}")]["spec"]
+        assert pdb["maxUnavailable"] == 1
+        assert pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == pool
+
+
+def test_selectors_do_not_change_when_the_spec_does() -> None:
+    """Deployment selectors are immutable: a spec change must never alter them."""
+    one, two = worker(spec_of(), "decode"), worker(spec_of(kvTransfer={"blockSize": 64}, image="x:2"), "decode")
+    assert one["spec"]["selector"] == two["spec"]["selector"]
+    assert one["spec"]["template"] != two["spec"]["template"]
+
+
+@pytest.mark.parametrize(("change", "same"), [
+    (lambda s: s | {"image": "other:1"}, True),
+    (lambda s: s | {"prefill": {"replicas": 7}}, True),
+    (lambda s: s | {"slo": {"ttftMs": 5}}, True),
+    (lambda s: s | {"model": {**s["model"], "dtype": "float32"}}, False),
+    (lambda s: s | {"kvTransfer": {"blockSize": 32}}, False),
+    (lambda s: s | {"decode": {"gpusPerReplica": 2}}, False),
+    (lambda s: s | {"model": {**s["model"], "name": "other"}}, False),
+    (lambda s: s | {"model": {**s["model"], "source": {"path": "/models/other"}}}, False),
+])
+def test_layout_hash_follows_only_kv_relevant_settings(change: Callable[[dict[str, Any]], dict[str, Any]],
+                                                       same: bool) -> None:
+    base = {"model": {"name": "tiny-llama", "source": {"path": "/models/tiny"}}}
+    before = spec_layout_hash(DisaggregatedModelSpec.model_validate(base))
+    after = spec_layout_hash(DisaggregatedModelSpec.model_validate(change(dict(base))))
+    assert (before == after) == same

@@ -1,0 +1,272 @@
+"""The operator against the real control plane (etcd, kube-apiserver, controller-manager, scheduler,
+kwok GPU nodes), running as `tandem operator` in a subprocess and driven with kubectl."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from operator_harness import OperatorProcess, condition, wait_for
+from tandem.operator.rbac import cluster_role
+
+pytestmark = pytest.mark.integration
+
+Bed = Any  # tests/operator/conftest.py: Testbed
+
+
+def resource(sample: Callable[[str], dict[str, Any]], name: str, **spec: Any) -> dict[str, Any]:
+    body = copy.deepcopy(sample("minimal"))
+    body["metadata"]["name"] = name
+    for key, value in spec.items():
+        body["spec"][key] = value
+    return body
+
+
+@pytest.fixture
+def cleanup(testbed: Bed) -> Iterator[list[str]]:
+    """Names of resources to delete after the test (their pods would otherwise hold GPUs)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=60s", check=False)
+
+
+def wait_ready(testbed: Bed, name: str, timeout: float = 60.0) -> dict[str, Any]:
+    def ready() -> dict[str, Any] | None:
+        dm = testbed.get("dm", name)
+        if dm is None or condition(dm, "Ready").get("status") != "True":
+            return None
+        if dm["status"].get("observedGeneration") != dm["metadata"]["generation"]:
+            return None
+        return dm
+
+    return testbed.wait_for(f"dm/{name} to be Ready at its current generation", ready, timeout)  # type: ignore[no-any-return]
+
+
+def children(testbed: Bed, name: str, kind: str) -> list[dict[str, Any]]:
+    return testbed.list(kind, f"app.kubernetes.io/instance={name}")  # type: ignore[no-any-return]
+
+
+def test_minimal_sample_becomes_ready_with_its_children(testbed: Bed,
+                                                        sample: Callable[[str], dict[str, Any]]) -> None:
+    testbed.kubectl("apply", "-n", testbed.namespace, "-f", "crds/samples/minimal.yaml")
+    dm = wait_ready(testbed, "tiny")
+    ns = testbed.namespace
+
+    status = dm["status"]
+    for pool in ("prefill", "decode", "router"):
+        assert (status[pool]["readyReplicas"], status[pool]["desiredReplicas"], status[pool]["summary"]) == (1, 1, "1/1")
+    assert status["endpoint"] == f"http://tiny.{ns}.svc:8000/v1"
+    assert {c["type"]: c["status"] for c in status["conditions"]} == {
+        "Ready": "True", "Progressing": "False", "Degraded": "False"}
+
+    assert sorted(d["metadata"]["name"] for d in children(testbed, "tiny", "deployments")) == [
+        "tiny-decode", "tiny-prefill", "tiny-router"]
+    services = {s["metadata"]["name"]: s["spec"] for s in children(testbed, "tiny", "services")}
+    assert set(services) == {"tiny", "tiny-prefill", "tiny-decode"}
+    assert services["tiny-prefill"]["clusterIP"] == "None" and services["tiny-decode"]["clusterIP"] == "None"
+    assert sorted(p["metadata"]["name"] for p in children(testbed, "tiny", "pdb")) == ["tiny-decode", "tiny-prefill"]
+
+    prefill = testbed.get("deployment", "tiny-prefill")
+    container = prefill["spec"]["template"]["spec"]["containers"][0]
+    assert container["args"][:3] == ["worker", "--role", "prefill"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": "1", "rdma/rdma_shared_device_a": "1"}
+    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    managed = json.loads(testbed.kubectl("get", "deployment", "tiny-prefill", "-n", ns, "-o", "json",
+                                         "--show-managed-fields").stdout)["metadata"]["managedFields"]
+    assert [m["manager"] for m in managed if m["operation"] == "Apply"] == ["tandem-operator"]
+
+    nodes = {n["metadata"]["name"]: n["metadata"]["labels"] for n in
+             json.loads(testbed.kubectl("get", "nodes", "-o", "json").stdout)["items"]}
+    for pool in ("prefill", "decode"):
+        pods = testbed.list("pods", f"app.kubernetes.io/instance=tiny,app.kubernetes.io/component={pool}")
+        assert len(pods) == 1
+        pod = pods[0]
+        assert nodes[pod["spec"]["nodeName"]].get("tandem.dev/pool") == pool, pod["spec"]["nodeName"]
+        assert pod["metadata"]["labels"]["tandem.dev/layout-hash"] == status["layoutHash"]
+        assert pod["metadata"]["labels"]["tandem.dev/role"] == pool
+
+    table = testbed.kubectl("get", "dm", "tiny", "-n", ns).stdout.splitlines()
+    assert table[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "READY", "AGE"]
+    assert table[1].split()[:5] == ["tiny", "tiny-llama", "1/1", "1/1", "True"]
+
+    events = testbed.kubectl("get", "events", "-n", ns, "--field-selector",
+                             "involvedObject.kind=DisaggregatedModel,involvedObject.name=tiny", "-o", "json").stdout
+    reasons = {e["reason"] for e in json.loads(events)["items"]}
+    assert {"Created", "Ready"} <= reasons, reasons
+
+
+def test_spec_change_updates_children_and_observed_generation(testbed: Bed, cleanup: list[str],
+                                                              sample: Callable[[str], dict[str, Any]]) -> None:
+    cleanup.append("roll")
+    testbed.apply(resource(sample, "roll"))
+    before = wait_ready(testbed, "roll")
+    testbed.kubectl("patch", "dm", "roll", "-n", testbed.namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"decode": {"replicas": 2}, "image": "registry.example/tandem:2"}}))
+
+    def rolled() -> bool:
+        decode = testbed.get("deployment", "roll-decode")
+        prefill = testbed.get("deployment", "roll-prefill")
+        return (decode["spec"]["replicas"] == 2
+                and decode["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tandem:2"
+                and prefill["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/tandem:2")
+
+    testbed.wait_for("the Deployments to take the new replicas and image", rolled)
+    after = testbed.wait_for("decode 2/2 at generation 2", lambda: (
+        dm if (dm := wait_ready(testbed, "roll"))["status"]["decode"]["summary"] == "2/2" else None))
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
+    assert after["status"]["observedGeneration"] == after["metadata"]["generation"]
+    assert all(c["observedGeneration"] == after["metadata"]["generation"] for c in after["status"]["conditions"])
+    testbed.wait_for("every prefill pod to run the new image", lambda: all(
+        p["spec"]["containers"][0]["image"] == "registry.example/tandem:2" and not p["metadata"].get("deletionTimestamp")
+        for p in testbed.list("pods", "app.kubernetes.io/instance=roll,app.kubernetes.io/component=prefill")) or None)
+
+
+def test_hand_edits_to_children_are_reverted(testbed: Bed, cleanup: list[str],
+                                             sample: Callable[[str], dict[str, Any]]) -> None:
+    cleanup.append("edits")
+    testbed.apply(resource(sample, "edits"))
+    wait_ready(testbed, "edits")
+
+    testbed.kubectl("scale", "deployment", "edits-decode", "-n", testbed.namespace, "--replicas=4")
+    testbed.wait_for("edits-decode to be scaled back to 1", lambda: (
+        testbed.get("deployment", "edits-decode")["spec"]["replicas"] == 1) or None, timeout=30)
+
+    old_uid = testbed.get("deployment", "edits-prefill")["metadata"]["uid"]
+    testbed.kubectl("delete", "deployment", "edits-prefill", "-n", testbed.namespace, "--wait=false")
+    testbed.wait_for("edits-prefill to be recreated", lambda: (
+        (d := testbed.get("deployment", "edits-prefill")) is not None and d["metadata"]["uid"] != old_uid) or None,
+        timeout=30)
+    wait_ready(testbed, "edits")
+
+
+@pytest.mark.parametrize(("name", "prefill", "why"), [
+    ("too-big", {"gpusPerReplica": 16}, "more GPUs per pod than any node has"),
+    ("too-many", {"gpusPerReplica": 8, "replicas": 5}, "more pods than the 4 prefill nodes hold"),
+])
+def test_asking_for_more_gpus_than_the_pool_has_is_degraded(testbed: Bed, cleanup: list[str],
+                                                            sample: Callable[[str], dict[str, Any]],
+                                                            name: str, prefill: dict[str, Any], why: str) -> None:
+    cleanup.append(name)
+    testbed.apply(resource(sample, name, prefill=prefill))
+    dm = testbed.wait_for(f"dm/{name} ({why}) to be Degraded", lambda: (
+        d if condition(d := testbed.get("dm", name), "Degraded").get("status") == "True" else None))
+    degraded = condition(dm, "Degraded")
+    assert degraded["reason"] == "Unschedulable"
+    assert degraded["message"].startswith("prefill pool:"), degraded["message"]
+    assert "nvidia.com/gpu" in degraded["message"]
+    assert condition(dm, "Ready")["status"] == "False"
+    # The operator keeps serving: no crash, no restart, still healthy.
+    time.sleep(1)
+    assert testbed.operator.alive() and testbed.operator.healthz()[0] == 200
+
+
+def test_deleting_the_resource_removes_its_children(testbed: Bed, sample: Callable[[str], dict[str, Any]]) -> None:
+    testbed.apply(resource(sample, "gone"))
+    wait_ready(testbed, "gone")
+    testbed.kubectl("delete", "dm", "gone", "-n", testbed.namespace, "--timeout=30s")
+    for kind in ("deployments", "services", "pdb", "serviceaccounts", "roles", "rolebindings"):
+        testbed.wait_for(f"{kind} of dm/gone to be garbage-collected",
+                         lambda kind=kind: not children(testbed, "gone", kind) or None, timeout=45)
+
+
+def test_invalid_resource_is_refused_by_the_api_server(testbed: Bed, invalid_case: dict[str, Any],
+                                                       make_invalid: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    proc = testbed.kubectl("create", "--dry-run=server", "-n", testbed.namespace, "-f", "-",
+                           input=json.dumps(make_invalid(invalid_case)), check=False)
+    assert proc.returncode != 0, f"{invalid_case['id']} was accepted: {proc.stdout}"
+    assert invalid_case["field"] in proc.stderr, proc.stderr
+
+
+def test_operator_health_metrics_and_namespace_scope(testbed: Bed,
+                                                     sample: Callable[[str], dict[str, Any]]) -> None:
+    status, _ = testbed.operator.healthz()
+    assert status == 200
+    metrics = testbed.operator.metrics()
+    assert f'tandem_operator_reconciles_total{{name="tiny",namespace="{testbed.namespace}"}}' in metrics
+
+    other = f"{testbed.namespace}-unwatched"
+    testbed.kubectl("create", "namespace", other)
+    try:
+        testbed.kubectl("apply", "-n", other, "-f", "-", input=json.dumps(resource(sample, "elsewhere")))
+        time.sleep(3)
+        dm = json.loads(testbed.kubectl("get", "dm", "elsewhere", "-n", other, "-o", "json").stdout)
+        assert "status" not in dm and not dm["metadata"].get("finalizers"), "an unwatched namespace was reconciled"
+        assert not json.loads(testbed.kubectl("get", "deployments", "-n", other, "-o", "json").stdout)["items"]
+    finally:
+        testbed.kubectl("delete", "namespace", other, "--wait=false", check=False)
+
+
+def test_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(
+        testbed: Bed, cleanup: list[str], sample: Callable[[str], dict[str, Any]]) -> None:
+    cleanup.append("restart")
+    testbed.operator.stop()
+    testbed.apply(resource(sample, "restart", decode={"replicas": 2}))
+    testbed.operator.start()
+    # Kill it as soon as the first child shows up: the rest of that reconcile never happens.
+    testbed.wait_for("the first child of dm/restart", lambda: children(testbed, "restart", "deployments")
+                     or children(testbed, "restart", "services") or children(testbed, "restart", "serviceaccounts"),
+                     timeout=30)
+    testbed.operator.kill()
+    testbed.operator.start()
+    dm = wait_ready(testbed, "restart")
+    assert dm["status"]["decode"]["summary"] == "2/2"
+    assert sorted(d["metadata"]["name"] for d in children(testbed, "restart", "deployments")) == [
+        "restart-decode", "restart-prefill", "restart-router"]
+    assert len(children(testbed, "restart", "services")) == 3
+    assert len(children(testbed, "restart", "pdb")) == 2
+    for deployment in ("restart-prefill", "restart-decode", "restart-router"):
+        replicasets = testbed.list("replicasets", f"app.kubernetes.io/instance=restart,"
+                                                  f"app.kubernetes.io/component={deployment.split('-')[1]}")
+        assert len(replicasets) == 1, f"{deployment} has {len(replicasets)} ReplicaSets"
+    pods = [p for p in testbed.list("pods", "app.kubernetes.io/instance=restart")
+            if not p["metadata"].get("deletionTimestamp")]
+    assert len(pods) == 4  # 1 prefill + 2 decode + 1 router
+
+
+def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Callable[[str], dict[str, Any]],
+                                                      tmp_path: Path) -> None:
+    """Run a second operator as a ServiceAccount bound to tandem.operator.rbac's ClusterRole and nothing else."""
+    ns = f"{testbed.namespace}-rbac"
+    role = f"tandem-operator-{ns}"
+    testbed.kubectl("create", "namespace", ns)
+    operator = None
+    try:
+        testbed.kubectl("create", "serviceaccount", "tandem-operator", "-n", ns)
+        testbed.kubectl("apply", "-f", "-", input=json.dumps(cluster_role(role)))
+        testbed.kubectl("create", "clusterrolebinding", role, f"--clusterrole={role}",
+                        f"--serviceaccount={ns}:tandem-operator")
+        token = testbed.kubectl("create", "token", "tandem-operator", "-n", ns, "--duration=1h").stdout.strip()
+        kubeconfig = json.loads(testbed.cluster.kubeconfig.read_text())
+        kubeconfig["users"] = [{"name": "operator", "user": {"token": token}}]
+        kubeconfig["contexts"] = [{"name": "operator", "context": {"cluster": kubeconfig["clusters"][0]["name"],
+                                                                   "user": "operator"}}]
+        kubeconfig["current-context"] = "operator"
+        (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+        operator = OperatorProcess(tmp_path / "kubeconfig", ns, tmp_path / "operator.log", testbed.cluster.env)
+        operator.start()
+
+        testbed.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(resource(sample, "scoped")))
+
+        def ready() -> dict[str, Any] | None:
+            dm = json.loads(testbed.kubectl("get", "dm", "scoped", "-n", ns, "-o", "json").stdout)
+            return dm if condition(dm, "Ready").get("status") == "True" else None
+
+        wait_for("dm/scoped to be Ready under the restricted operator", ready, timeout=60,
+                 on_timeout=operator.log_tail)
+        events = json.loads(testbed.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
+        assert any(e["involvedObject"]["name"] == "scoped" and e["reason"] == "Ready" for e in events)
+        testbed.kubectl("delete", "dm", "scoped", "-n", ns, "--timeout=30s")  # the operator releases its finalizer
+        log = operator.log_tail(200_000)
+        assert "403" not in log and "forbidden" not in log.lower(), log[-3000:]
+    finally:
+        if operator is not None:
+            operator.stop()
+        testbed.kubectl("delete", "clusterrolebinding", role, "--wait=false", check=False)
+        testbed.kubectl("delete", "clusterrole", role, "--wait=false", check=False)
+        testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)

@@ -1,0 +1,141 @@
+"""Real local stacks for the serving tests: `tandem serve` processes on 127.0.0.1 with a tiny model.
+
+Stacks are started through the real CLI (so `tandem serve` itself is under test) and stopped
+with SIGTERM, the way a user's Ctrl-C would. The session-wide disaggregated and monolithic
+stacks are shared by every test that leaves them intact; tests that kill workers start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+KV_CACHE_BYTES = 8 << 20  # 1024 blocks of the tiny model: plenty, and cheap to allocate
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Stack:
+    url: str
+    model: str
+    state: dict[str, Any]
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def procs(self, role: str) -> list[dict[str, Any]]:
+        return [p for p in self.state["processes"] if p["role"] == role]
+
+    def stop(self) -> int:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.popen.pid, signal.SIGKILL)
+                self.popen.wait(10)
+        for p in self.state.get("processes", []):  # never leave a worker behind, whatever happened
+            try:
+                os.kill(p["pid"], signal.SIGKILL)
+            except (ProcessLookupError, TypeError):
+                pass
+        return int(self.popen.returncode)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tandem.worker.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("models") / "tiny-serving")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path) -> Any:
+    from tandem.worker.model.tokenizer import Tokenizer
+
+    return Tokenizer(tiny_model)
+
+
+@pytest.fixture(scope="session")
+def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Stack]]:
+    started: list[Stack] = []
+
+    def start(*args: str, timeout: float = 120.0) -> Stack:
+        port = free_port()
+        work = tmp_path_factory.mktemp("stack")
+        state_file = work / "state.json"
+        log = work / "serve.log"
+        argv = [sys.executable, "-m", "tandem.worker.cli", "serve", "--model", str(tiny_model), "--model-name", "tiny",
+                "--port", str(port), "--kv-cache-bytes", str(KV_CACHE_BYTES), "--log-dir", str(work / "logs"),
+                "--state-file", str(state_file), *args]
+        with log.open("wb") as fh:
+            popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+        limit = time.monotonic() + timeout
+        while not state_file.exists():
+            if popen.poll() is not None or time.monotonic() > limit:
+                popen.kill()
+                pytest.fail(f"tandem serve {' '.join(args)} did not come up:\n{log.read_text()[-3000:]}")
+            time.sleep(0.2)
+        stack = Stack(f"http://127.0.0.1:{port}", "tiny", json.loads(state_file.read_text()), popen, log)
+        started.append(stack)
+        return stack
+
+    yield start
+    for stack in started:
+        stack.stop()
+
+
+@pytest.fixture(scope="session")
+def disagg(start_stack: Callable[..., Stack]) -> Stack:
+    return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1")
+
+
+@pytest.fixture(scope="session")
+def mono(start_stack: Callable[..., Stack]) -> Stack:
+    return start_stack("--mode", "monolithic", "--decode-workers", "1")
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(tiny_model: Path) -> Callable[[list[int], int], list[int]]:
+    """transformers' greedy continuation of a prompt: the reference the engine must match."""
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference (test extra)")
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+    model.eval()
+
+    def greedy(prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 eos_token_id=None, pad_token_id=0)
+        return list(out[0, len(prompt):].tolist())
+
+    return greedy
+
+
+def metric_value(url: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on a /metrics page whose labels include `labels`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=5).text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

@@ -1,0 +1,25 @@
+"""The transport conformance suite runs every test once per transport.
+
+tcp always runs. rdma runs only where an RDMA device and pyverbs are usable; elsewhere its
+tests are skipped with the exact reason (for example "no RDMA device: /sys/class/infiniband
+does not exist ..."), which `pytest -ra` prints.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.worker.transfer import probe
+
+
+def _rdma_param() -> object:
+    found = probe()
+    marks = [pytest.mark.rdma]
+    if not found.usable:
+        marks.append(pytest.mark.skip(reason=f"rdma transport not tested here: {found.reason}"))
+    return pytest.param("rdma", marks=marks, id="rdma")
+
+
+@pytest.fixture(params=["tcp", _rdma_param()])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

@@ -1,0 +1,51 @@
+"""Human (rich table) and machine (JSON) output of a benchmark summary."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from tandem.worker.bench.stats import PERCENTILES, Summary
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def table(summary: Summary, title: str) -> Table:
+    t = Table(title=title)
+    t.add_column("metric")
+    for q in PERCENTILES:
+        t.add_column(f"p{q} (ms)", justify="right")
+    t.add_column("mean (ms)", justify="right")
+    for name, d in (("TTFT", summary.ttft_s), ("ITL", summary.itl_s), ("end-to-end", summary.e2e_s)):
+        t.add_row(name, *(_ms(d[f"p{q}"]) for q in PERCENTILES), _ms(d["mean"]))
+    return t
+
+
+def print_summary(console: Console, summary: Summary, title: str, notes: list[str]) -> None:
+    console.print(table(summary, title))
+    console.print(f"requests: {summary.completed} completed, {summary.failed} failed, "
+                  f"in {summary.duration_s:.1f}s")
+    console.print(f"throughput: {summary.request_throughput:.2f} req/s, "
+                  f"{summary.output_throughput:.1f} output tokens/s "
+                  f"({summary.prompt_tokens} prompt, {summary.output_tokens} output tokens)")
+    if summary.goodput is not None:
+        slos = []
+        if summary.slo_ttft_s is not None:
+            slos.append(f"TTFT <= {summary.slo_ttft_s * 1000:.0f} ms")
+        if summary.slo_itl_s is not None:
+            slos.append(f"mean ITL <= {summary.slo_itl_s * 1000:.0f} ms")
+        console.print(f"goodput: {summary.goodput:.2f} req/s meeting {' and '.join(slos)} "
+                      f"({(summary.slo_attainment or 0) * 100:.0f}% of requests)")
+    for err in summary.errors:
+        console.print(f"[red]error:[/red] {err}")
+    for note in notes:
+        console.print(f"note: {note}")
+
+
+def write_json(path: Path, summary: Summary, config: dict[str, Any], notes: list[str]) -> None:
+    path.write_text(json.dumps({"config": config, "notes": notes, "summary": summary.as_dict()}, indent=2))

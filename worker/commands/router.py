@@ -1,0 +1,63 @@
+"""`tandem router`: the OpenAI-compatible front door (what the router pod runs)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
+
+
+@click.command("router")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--model-name", default=None, help="Model name clients ask for (default: what the workers serve).")
+@click.option("--model", "model_dir", type=click.Path(exists=True, file_okay=False, path_type=Path), default=None,
+              help="Model folder to read the tokenizer from (default: fetched from a worker).")
+@click.option("--workers-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="YAML/JSON list of worker URLs (or {prefill: [...], decode: [...]}); re-read as it changes.")
+@click.option("--prefill", multiple=True, help="Prefill worker URL (repeatable).")
+@click.option("--decode", multiple=True, help="Decode (or both-role) worker URL (repeatable).")
+@click.option("--discovery", type=click.Choice(["static", "k8s", "dns"]), default="static", show_default=True)
+@click.option("--namespace", default="default", show_default=True)
+@click.option("--prefill-service", default=None, help="Headless Service of the prefill pool (k8s/dns discovery).")
+@click.option("--decode-service", default=None, help="Headless Service of the decode pool (k8s/dns discovery).")
+@click.option("--worker-port", type=int, default=8000, show_default=True, help="Worker HTTP port (k8s/dns discovery).")
+@click.option("--request-timeout", type=float, default=600.0, show_default=True,
+              help="Per-request deadline in seconds.")
+@click.option("--stall-timeout", type=float, default=60.0, show_default=True,
+              help="A worker silent for this long mid-stream counts as lost (the request migrates).")
+@click.option("--log-level", default="info", show_default=True)
+def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
+            prefill: tuple[str, ...], decode: tuple[str, ...], discovery: str, namespace: str,
+            prefill_service: str | None, decode_service: str | None, worker_port: int, request_timeout: float,
+            stall_timeout: float, log_level: str) -> None:
+    """Serve /v1/* by placing requests on prefill and decode workers."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s router:{port} %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    source: Discovery
+    if discovery in ("k8s", "dns"):
+        services = [s for s in (prefill_service, decode_service) if s]
+        if not services:
+            raise click.UsageError("--discovery k8s|dns needs --prefill-service and/or --decode-service")
+        method = "dns" if discovery == "dns" else "endpointslices"
+        source = KubernetesDiscovery(namespace, services, worker_port, method)
+    elif workers_file is not None:
+        if prefill or decode:
+            raise click.UsageError("give either --workers-file or --prefill/--decode URLs, not both")
+        try:
+            source = FileDiscovery(workers_file)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
+    elif prefill or decode:
+        source = StaticDiscovery([*prefill, *decode])
+    else:
+        raise click.UsageError("no workers: give --workers-file, --prefill/--decode URLs, or --discovery k8s")
+    import uvicorn
+    from tandem.worker.router.app import RouterConfig, create_app
+
+    cfg = RouterConfig(model_name=model_name, discovery=source, model_dir=model_dir,
+                       request_timeout=request_timeout, stall_timeout=stall_timeout)
+    uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=5)

@@ -1,0 +1,179 @@
+"""`tandem serve`: router + prefill + decode workers on this machine, as separate processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from types import FrameType
+
+import click
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "tandem"
+
+
+def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]:
+    """A model folder and its served name; `tiny` writes a small random model into the cache first."""
+    if model == "tiny":
+        folder = cache_dir() / "models" / f"tiny-{family}"
+        if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+            console.print(f"using the tiny random {family} model cached in {folder}")
+        else:
+            from tandem.worker.model.tiny import write_tiny_model
+
+            console.print(f"writing a tiny random-weight {family} model to {folder} (its output is gibberish; "
+                          "pass --model DIR for a real model)")
+            write_tiny_model(folder, family=family)
+        return folder, "tiny"
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise click.BadParameter(f"{folder} is not a model folder (no config.json); use a Hugging Face style folder "
+                                 "or --model tiny", param_hint="--model")
+    return folder.resolve(), folder.resolve().name
+
+
+@click.command("serve")
+@click.option("--model", required=True, help="Model folder, or `tiny` for a small random model (written on first use).")
+@click.option("--model-name", default=None, help="Name clients use (default: the folder name, or `tiny`).")
+@click.option("--family", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama",
+              show_default=True, help="Architecture of the --model tiny model.")
+@click.option("--prefill-workers", type=click.IntRange(0, 64), default=1, show_default=True)
+@click.option("--decode-workers", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Decode workers (in monolithic/chunked mode: the number of both-role workers).")
+@click.option("--mode", type=click.Choice(MODES), default="disaggregated", show_default=True)
+@click.option("--transport", type=click.Choice(["auto", "tcp", "rdma"]), default="auto", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True, help="Router address (workers stay on 127.0.0.1).")
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--max-model-len", type=int, default=None)
+@click.option("--kv-cache-bytes", type=int, default=None, help="KV cache per worker (default: the engine's).")
+@click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step (chunk size).")
+@click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Process logs (default: a folder in the cache).")
+@click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Write the processes (names, roles, URLs, pids) here as JSON once ready.")
+@click.option("--ready-timeout", type=float, default=300.0, show_default=True)
+@click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
+def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
+            transport: str, host: str, port: int, dtype: str, block_size: int, max_model_len: int | None,
+            kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
+            state_file: Path | None, ready_timeout: float, prefill_fault: str | None) -> None:
+    """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
+    console = Console(soft_wrap=True)
+    model_dir, default_name = resolve_model(model, family, console)
+    if mode != "disaggregated" and prefill_workers:
+        console.print(f"--mode {mode}: no prefill pool; running {decode_workers} both-role worker(s)")
+    log_dir = log_dir or cache_dir() / "logs" / f"serve-{port}"
+    try:
+        spec = StackSpec(model_dir=model_dir, model_name=model_name or default_name, mode=mode,
+                         prefill_workers=prefill_workers if mode == "disaggregated" else 0,
+                         decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype,
+                         block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                         max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not _port_free(host, port):
+        raise click.UsageError(f"{host}:{port} is already in use; pick another --port")
+    stack = LocalStack(spec)
+    stop = _StopFlag()
+    stack.start()
+    code = 0
+    try:
+        if not _wait_ready(stack, console, ready_timeout, stop):
+            code = 1
+        else:
+            if state_file is not None:
+                stack.write_state(state_file)
+            console.print(f"[bold green]ready:[/bold green] OpenAI API at [bold]{stack.url}/v1[/bold] "
+                          f"(model {spec.model_name!r}, mode {mode}); logs in {log_dir}; Ctrl-C stops everything")
+            console.print(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
+                          f"-d '{{\"model\": \"{spec.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
+            code = _watch(stack, console, stop)
+    finally:
+        console.print("stopping: router first, then workers (they finish in-flight requests)...")
+        stack.stop()
+        console.print("stopped.")
+    sys.exit(code)
+
+
+class _StopFlag:
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, sig: int, _frame: FrameType | None) -> None:
+        self.signal = sig
+
+
+def _port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def _wait_ready(stack: LocalStack, console: Console, timeout: float, stop: _StopFlag) -> bool:
+    limit = time.monotonic() + timeout
+    with httpx.Client() as client, Progress(TextColumn("{task.description:<12}"), BarColumn(),
+                                            TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                            console=console) as progress:
+        tasks: dict[str, TaskID] = {p.name: progress.add_task(p.name, total=1.0, status="starting")
+                                    for p in stack.procs}
+        while True:
+            if stop.signal is not None:
+                return False
+            dead = stack.dead()
+            if dead:
+                progress.stop()
+                for p in dead:
+                    console.print(f"[red]{p.name} exited with code {p.popen.returncode if p.popen else '?'}; "
+                                  f"its log ({p.log_path}) ends with:[/red]\n{p.log_tail()}")
+                return False
+            states = stack.poll_ready(client)
+            for name, (ok, frac) in states.items():
+                progress.update(tasks[name], completed=1.0 if ok else frac,
+                                status="ready" if ok else ("loading model" if frac > 0 else "starting"))
+            if all(ok for ok, _ in states.values()):
+                return True
+            if time.monotonic() > limit:
+                progress.stop()
+                slow = [n for n, (ok, _) in states.items() if not ok]
+                console.print(f"[red]not ready after {timeout:.0f}s: {', '.join(slow)}[/red]")
+                for p in stack.procs:
+                    if p.name in slow:
+                        console.print(f"{p.name} log ({p.log_path}):\n{p.log_tail()}")
+                return False
+            time.sleep(0.25)
+
+
+def _watch(stack: LocalStack, console: Console, stop: _StopFlag) -> int:
+    reported: set[str] = set()
+    while stop.signal is None:
+        for p in stack.dead():
+            if p.name in reported:
+                continue
+            reported.add(p.name)
+            console.print(f"[yellow]{p.name} exited (code {p.popen.returncode if p.popen else '?'}); "
+                          f"log tail:[/yellow]\n{p.log_tail(8)}")
+            if p.role == "router":
+                return 1
+        if all(not p.alive() for p in stack.workers):
+            console.print("[red]every worker has exited[/red]")
+            return 1
+        time.sleep(0.25)
+    return 0

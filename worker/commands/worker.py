@@ -1,0 +1,60 @@
+"""`tandem worker`: one prefill, decode or both-role worker process (what a worker pod runs)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+from tandem.worker.server.config import WorkerConfig
+
+
+@click.command("worker")
+@click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both", show_default=True)
+@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
+              help="Hugging Face style model folder.")
+@click.option("--model-name", default=None, help="Name served to clients (default: the folder name).")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--block-size", type=int, default=16, show_default=True)
+@click.option("--transport", type=click.Choice(["auto", "tcp", "rdma"]), default="auto", show_default=True)
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--kv-port", type=int, default=5555, show_default=True, help="KV transfer port (decode role listens).")
+@click.option("--kv-host", default=None, help="Address peers use for --kv-port (default: --host, or this host's IP).")
+@click.option("--tensor-parallel", type=int, default=1, show_default=True)
+@click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
+@click.option("--pool", default="local", show_default=True, help="Pool label on metrics (prefill|decode|local).")
+@click.option("--layout-hash", envvar="TANDEM_LAYOUT_HASH", default=None,
+              help="Expected KV layout hash; the worker refuses to start on a mismatch. [env: TANDEM_LAYOUT_HASH]")
+@click.option("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default: the engine's).")
+@click.option("--max-num-seqs", type=int, default=64, show_default=True)
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
+@click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True)
+@click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
+@click.option("--drain-timeout", type=float, default=60.0, show_default=True,
+              help="Seconds in-flight requests get to finish after SIGTERM.")
+@click.option("--fault", type=click.Choice(["drop-kv"]), default=None, hidden=True,
+              help="Test hook: misbehave on purpose.")
+@click.option("--log-level", default="info", show_default=True)
+def command(role: str, model_dir: Path, model_name: str | None, dtype: str, device: str, block_size: int,
+            transport: str, host: str, port: int, kv_port: int, kv_host: str | None, tensor_parallel: int,
+            max_model_len: int | None, pool: str, layout_hash: str | None, kv_cache_bytes: int | None,
+            max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool, prefix_caching: bool,
+            drain_timeout: float, fault: str | None, log_level: str) -> None:
+    """Run one worker: HTTP control API on --port, KV transfer on --kv-port."""
+    logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role}:{port} %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = WorkerConfig(
+            model_dir=model_dir, model_name=model_name, role=role, pool=pool, dtype=dtype, device=device,
+            block_size=block_size, transport=transport, host=host, port=port, kv_port=kv_port, kv_host=kv_host,
+            tensor_parallel=tensor_parallel, max_model_len=max_model_len, layout_hash=layout_hash or None,
+            kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=chunked_prefill, enable_prefix_caching=prefix_caching,
+            drain_timeout=drain_timeout, fault=fault)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    from tandem.worker.server.run import run_worker
+
+    sys.exit(run_worker(cfg))

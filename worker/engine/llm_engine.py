@@ -1,0 +1,315 @@
+"""LLMEngine: the in-process API the worker server drives.
+
+`add_request` queues work, `step` runs one scheduler iteration and returns what changed,
+`abort` drops a request. Roles: `both` runs requests to the end; `prefill` stops each request
+after its prompt (first token + KV blocks, held until `release_kv`); `decode` also accepts
+requests whose prompt KV was shipped in (`reserve_kv` -> transfer -> `add_prefilled_request`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from ..config import EngineConfig
+from ..kv.layout import KVLayout
+from ..kv.manager import KVCacheManager, blocks_for
+from ..model.config import ModelConfig
+from ..model.loader import TORCH_DTYPES, load_model
+from ..model.tokenizer import Tokenizer
+from .detokenizer import OutputText
+from .kv_budget import kv_budget_bytes
+from .outputs import EngineStats, LayerWrite, RequestOutput
+from .runner import ModelRunner
+from .sampler import sample
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+LayerCallback = Callable[[int, list[LayerWrite]], None]
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None) -> None:
+        self.config = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {cfg.device!r} requested but CUDA is not available here")
+        report = progress or (lambda stage, fraction: None)
+        report("config", 0.0)
+        model_config = ModelConfig.from_dir(cfg.model_dir)
+        self.model_config = model_config
+        self.model_name = model_config.name
+        self.tokenizer = Tokenizer(cfg.model_dir, extra_eos_ids=model_config.eos_token_ids)
+        report("config", 1.0)
+        self.model = load_model(cfg.model_dir, cfg.dtype, cfg.device, progress=report)
+        self.kv_layout = KVLayout(model=self.model_name, dtype=cfg.dtype, block_size=cfg.block_size,
+                                  num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
+                                  head_dim=model_config.head_dim)
+        self.max_model_len = self._max_model_len(model_config)
+        bytes_per_token = self.kv_layout.bytes_per_block // cfg.block_size
+        budget = kv_budget_bytes(cfg, self.device, bytes_per_token, self.max_model_len)
+        num_blocks = budget // self.kv_layout.bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV budget of {budget} bytes holds no block ({self.kv_layout.bytes_per_block} bytes each)")
+        capacity = num_blocks * cfg.block_size
+        if capacity < self.max_model_len:
+            if cfg.max_model_len is not None:
+                raise ValueError(f"max_model_len {cfg.max_model_len} does not fit in the KV cache "
+                                 f"({num_blocks} blocks = {capacity} tokens); raise the KV budget")
+            log.info("max_model_len lowered from %d to the KV capacity of %d tokens", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        report("kv_cache", 0.0)
+        self.kv_cache = torch.zeros(model_config.num_layers, 2, num_blocks, cfg.block_size,
+                                    model_config.num_kv_heads, model_config.head_dim,
+                                    dtype=TORCH_DTYPES[cfg.dtype], device=self.device)
+        report("kv_cache", 1.0)
+        self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        token_budget = cfg.max_num_batched_tokens
+        if not cfg.enable_chunked_prefill:  # a whole prompt must fit in one step
+            token_budget = max(token_budget, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, token_budget, cfg.max_num_seqs, cfg.enable_chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.device)
+        self._requests: dict[str, Sequence] = {}  # waiting or running
+        self._held: dict[str, list[int]] = {}  # prefill role: blocks kept until release_kv
+        self._reserved: dict[str, list[int]] = {}  # decode role: blocks awaiting incoming KV
+        self._pending: list[RequestOutput] = []  # outputs decided outside a step (aborts, instant finishes)
+        self._layer_callback: LayerCallback | None = None
+        self._default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        report("ready", 1.0)
+
+    # ----- requests -----
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    arrival_time: float | None = None) -> None:
+        self._check_new(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        if request_id in self._held or request_id in self._reserved:
+            self.release_kv(request_id)
+            self.cancel_reservation(request_id)
+            return
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return
+        self._finish(seq, "abort")
+        self._pending.append(self._output(seq, [], None))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests or self._pending)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return outputs
+        to_sample = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
+        logits = self.runner.execute(plan.scheduled, to_sample, self._layer_hook(plan.scheduled))
+        for seq, n in plan.scheduled:
+            seq.num_computed_tokens += n
+            seq.num_registered_blocks = self.kv.cache_blocks(
+                seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.num_registered_blocks)
+        if not to_sample:
+            return outputs
+        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
+                                  self._default_generator)
+        for i, (seq, token) in enumerate(zip(to_sample, tokens, strict=True)):
+            seq.token_ids.append(token)
+            reason = self._stop_reason(seq, token)
+            lp = [logprobs[i]] if logprobs is not None and seq.params.logprobs else None
+            if reason is None and self.config.role == "prefill":
+                outputs.append(self._hand_over(seq, token, lp))
+                continue
+            if reason is not None:
+                self._finish(seq, reason)
+            outputs.append(self._output(seq, [token], lp))
+        return outputs
+
+    def iter_outputs(self) -> Iterator[RequestOutput]:
+        """Step until every request has finished, yielding outputs as they come."""
+        while self.has_unfinished_requests():
+            yield from self.step()
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Run prompts to completion (a convenience for scripts and tests); output token ids per prompt."""
+        ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            self.add_request(request_id, prompt, params)
+        tokens: dict[str, list[int]] = {i: [] for i in ids}
+        for out in self.iter_outputs():
+            tokens[out.request_id].extend(out.new_token_ids)
+        return [tokens[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            queued_prompt_tokens=self.scheduler.queued_prompt_tokens,
+            num_free_blocks=self.kv.num_free_blocks,
+            num_total_blocks=self.kv.num_total_blocks,
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_reserved_blocks=sum(len(b) for b in self._reserved.values()),
+            num_held_blocks=sum(len(b) for b in self._held.values()),
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    # ----- disaggregation -----
+
+    def set_layer_callback(self, cb: LayerCallback | None) -> None:
+        self._layer_callback = cb
+
+    def release_kv(self, request_id: str) -> None:
+        """Prefill role: the request's KV has been shipped; free its blocks (no-op if unknown)."""
+        blocks = self._held.pop(request_id, None)
+        if blocks is not None:
+            self.kv.free(blocks)
+
+    def reserve_kv(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Decode role: blocks to receive `num_tokens` tokens of KV, or None when they do not fit now."""
+        if request_id in self._reserved or request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_tokens <= 0:
+            raise ValueError(f"num_tokens must be positive, got {num_tokens}")
+        if num_tokens >= self.max_model_len:
+            raise ValueError(f"{num_tokens} prompt tokens leave no room to decode within max_model_len "
+                             f"{self.max_model_len}")
+        blocks: list[int] = []
+        if self.kv.allocate_slots(blocks, num_tokens) is None:
+            return None
+        self._reserved[request_id] = blocks
+        return list(blocks)
+
+    def cancel_reservation(self, request_id: str) -> None:
+        blocks = self._reserved.pop(request_id, None)
+        if blocks is not None:
+            self.kv.free(blocks)
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                              params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Decode role: the prompt's KV now sits in the blocks `reserve_kv` returned; decode from first_token_id."""
+        blocks = self._reserved.get(request_id)
+        if blocks is None:
+            raise ValueError(f"request {request_id!r} has no KV reservation (call reserve_kv first)")
+        # On a ValueError the reservation stays; the caller's failure path cancels it.
+        if blocks_for(len(prompt_token_ids), self.kv.block_size) != len(blocks):
+            raise ValueError(f"request {request_id!r}: {len(prompt_token_ids)} prompt tokens do not match the "
+                             f"{len(blocks)} reserved blocks")
+        if not isinstance(first_token_id, int) or not 0 <= first_token_id < self.model_config.vocab_size:
+            raise ValueError(f"request {request_id!r}: first_token_id {first_token_id!r} is outside the vocabulary")
+        del self._reserved[request_id]
+        try:
+            self._check_new(request_id, prompt_token_ids, params)
+        except ValueError:
+            self._reserved[request_id] = blocks
+            raise
+        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq.block_table = blocks
+        seq.num_computed_tokens = len(prompt_token_ids)
+        seq.prefix_recorded = True
+        seq.num_registered_blocks = self.kv.cache_blocks(seq.block_table, seq.block_hashes, seq.token_ids,
+                                                         seq.num_computed_tokens, 0)
+        seq.token_ids.append(first_token_id)
+        reason = self._stop_reason(seq, first_token_id)
+        seq.text.skip_pending()  # the prefill worker already streamed this token's text
+        if reason is not None:  # the first token already ends it (EOS, stop string, max_tokens=1)
+            self.kv.free(seq.block_table)
+            seq.status, seq.finish_reason = Status.FINISHED, reason
+            self._pending.append(self._output(seq, [], None))
+            return
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    # ----- internals -----
+
+    def _max_model_len(self, mc: ModelConfig) -> int:
+        limit = mc.max_position_embeddings
+        if mc.sliding_window is not None:
+            limit = min(limit, mc.sliding_window)  # beyond the window, full attention would be wrong
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.config.max_model_len} exceeds the model's limit of {limit}")
+        return self.config.max_model_len
+
+    def _check_new(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._requests or request_id in self._held or request_id in self._reserved:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
+            raise ValueError(f"request {request_id!r}: prompt token ids must be integers in [0, {vocab})")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens "
+                             f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
+
+    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
+                      arrival_time: float | None) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        text = OutputText(self.tokenizer.new_detokenizer(prompt), params.stop)
+        return Sequence(request_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
+                        text, generator)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return "stop"
+        if seq.text.push(token):
+            return "stop"
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.remove(seq)
+        self.kv.free(seq.block_table)
+        seq.finish_reason = reason
+        self._requests.pop(seq.request_id, None)
+
+    def _hand_over(self, seq: Sequence, token: int, logprobs: list[float] | None) -> RequestOutput:
+        """Prefill role: the prompt is done; keep its blocks for the transfer and report them."""
+        blocks = list(seq.block_table)
+        seq.block_table.clear()  # ownership moves to _held; _finish then frees nothing
+        self._held[seq.request_id] = blocks
+        self._finish(seq, "prefilled")
+        out = self._output(seq, [token], logprobs)
+        out.kv_block_ids = blocks
+        return out
+
+    def _output(self, seq: Sequence, new_tokens: list[int], logprobs: list[float] | None) -> RequestOutput:
+        finished = seq.status is Status.FINISHED
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            new_text=seq.text.take_delta(finished),
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            logprobs=logprobs,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def _layer_hook(self, scheduled: list[tuple[Sequence, int]]) -> Callable[[int], None] | None:
+        callback = self._layer_callback
+        if callback is None:
+            return None
+        bs = self.kv.block_size
+        writes = [LayerWrite(s.request_id, s.block_table[s.num_computed_tokens // bs: blocks_for(s.num_computed_tokens + n, bs)],
+                             s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
+        return lambda layer: callback(layer, writes)

@@ -1,0 +1,59 @@
+"""Turn logits into tokens: greedy, temperature, top-k, top-p, min-p, with per-request seeds.
+
+Filtering runs batched; the final draw is per row, from the request's own generator when it
+has a seed, so a seeded request samples the same tokens whatever it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .sampling_params import SamplingParams
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None], default_generator: torch.Generator
+           ) -> tuple[list[int], list[float] | None]:
+    """logits: float32 [num_seqs, vocab]. Returns the chosen tokens and, if any request wants them,
+    the log-probability of each chosen token under the model's (unscaled) distribution."""
+    tokens = torch.argmax(logits, dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
+        for row, i in enumerate(random_rows):
+            generator = generators[i] or default_generator
+            tokens[i] = torch.multinomial(probs[row], 1, generator=generator)[0]
+    chosen = tokens.tolist()
+    if not any(p.logprobs for p in params):
+        return chosen, None
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+    return chosen, logprobs.tolist()
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
+    logits = logits / temperature[:, None]
+    vocab = logits.shape[-1]
+    top_k = [p.top_k for p in params]
+    if any(0 < k < vocab for k in top_k):
+        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_k], device=device)
+        sorted_desc = torch.sort(logits, dim=-1, descending=True).values
+        kth = sorted_desc.gather(1, (k - 1)[:, None])
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
+        drop_sorted = before >= torch.tensor(top_p, device=device, dtype=probs.dtype)[:, None]
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=device,
+                                                                           dtype=probs.dtype)[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)

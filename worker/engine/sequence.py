@@ -1,0 +1,54 @@
+"""The state of one request as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from ..kv.prefix_hash import BlockHash
+from .detokenizer import OutputText
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_time: float, text: OutputText, generator: torch.Generator | None) -> None:
+        self.request_id = request_id
+        self.token_ids = list(prompt_token_ids)  # prompt, then outputs
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival_time = arrival_time
+        self.text = text
+        self.generator = generator  # per-request RNG when params.seed is set
+        self.status = Status.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_table: list[int] = []
+        self.block_hashes: list[BlockHash] = []  # of full blocks, computed or not
+        self.num_registered_blocks = 0  # leading blocks indexed in the prefix cache
+        self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
+        self.prefix_recorded = False
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_prompt_tokens(self) -> int:
+        return max(self.num_prompt_tokens - self.num_computed_tokens, 0)
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={self.block_table})")

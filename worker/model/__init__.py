@@ -1,0 +1,1 @@
+"""Model code: config.json parsing, safetensors loading, llama-family layers, tokenizer."""

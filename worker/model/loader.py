@@ -1,0 +1,85 @@
+"""Build a `CausalLM` from a Hugging Face model folder (config.json + *.safetensors)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .config import ModelConfig
+from .llama import CausalLM
+from .rope import inverse_frequencies
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+INDEX_FILE = "model.safetensors.index.json"
+
+Progress = Callable[[str, float], None]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: the shards an index names, or every *.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{index} has no weight_map")
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shards that are missing: {missing}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model folder {str(model_dir)!r} has no *.safetensors weights")
+    return files
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
+               progress: Progress | None = None) -> CausalLM:
+    path = Path(model_dir)
+    cfg = ModelConfig.from_dir(path)
+    files = checkpoint_files(path)
+    torch_dtype = TORCH_DTYPES[dtype]
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    # Materialise empty parameters on the target device; every one is then filled from the checkpoint.
+    model = model.to_empty(device=device).to(torch_dtype)
+    # Buffers are not in checkpoints: compute the RoPE frequencies (in float32) on the device.
+    model.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    params = dict(model.named_parameters())
+    layout = model.checkpoint_layout()  # checkpoint tensor -> rows of one of our parameters
+    loaded: set[str] = set()
+    for n, file in enumerate(files):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():  # noqa: SIM118  (safe_open has no __iter__)
+                if name not in layout:
+                    if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
+                        continue  # a buffer old checkpoints saved / a copy of the tied embedding
+                    raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {cfg.family} model")
+                target_name, start, end = layout[name]
+                target = params[target_name][start:end]
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != tuple(target.shape):
+                    raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
+                                     f"config.json implies {tuple(target.shape)}")
+                with torch.no_grad():
+                    target.copy_(tensor.to(torch_dtype))
+                loaded.add(name)
+        if progress is not None:
+            progress("load_weights", (n + 1) / len(files))
+    expected = set(layout)
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in loaded and "model.embed_tokens.weight" in loaded:
+        # Some checkpoints tie embeddings without saying so; an absent lm_head means tied.
+        expected.discard("lm_head.weight")
+        model.tie_weights()
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {str(path)!r} is missing tensors: {missing[:8]}"
+                         f"{' ...' if len(missing) > 8 else ''}")
+    if cfg.tie_word_embeddings:
+        model.tie_weights()
+    return model.eval()
+

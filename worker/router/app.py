@@ -1,0 +1,281 @@
+"""The router's HTTP surface: OpenAI endpoints, health, readiness, metrics, worker status."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from tandem.worker import metrics as m
+from tandem.worker.model.tokenizer import Tokenizer
+from tandem.worker.router import errors
+from tandem.worker.router.discovery import Discovery
+from tandem.worker.router.dispatch import DECODE_ROLES, Dispatcher, TokenEvent
+from tandem.worker.router.errors import APIError
+from tandem.worker.router.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    parse_body,
+    resolve_max_tokens,
+    sampling_from,
+)
+from tandem.worker.router.responses import Shape, full_response, sse, stream_chunk, usage_chunk
+from tandem.worker.router.tokens import Delta, TextAssembler, fetch_tokenizer
+from tandem.worker.router.workers import WorkerRegistry
+from tandem.worker.server.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+@dataclass
+class RouterConfig:
+    model_name: str | None
+    discovery: Discovery
+    model_dir: Path | None = None  # where to read the tokenizer; otherwise fetched from a worker
+    request_timeout: float = 600.0
+    stall_timeout: float = 60.0
+    poll_interval: float = 0.5
+
+
+class RouterState:
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval)
+        self.telemetry = Telemetry(cfg.model_name or "", "router", "router", ROUTER_METRICS)
+        self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout)
+        self._tokenizer: Tokenizer | None = None
+        self._tok_lock = asyncio.Lock()
+
+    def model_name(self) -> str:
+        if self.cfg.model_name:
+            return self.cfg.model_name
+        info = self.registry.any_info()
+        if info is None:
+            raise errors.unavailable("no worker has reported yet, so the model is not known")
+        return info.model
+
+    def max_model_len(self) -> int:
+        info = self.registry.any_info()
+        if info is None:
+            raise errors.unavailable("no worker is up")
+        return info.max_model_len
+
+    async def tokenizer(self) -> Tokenizer:
+        if self._tokenizer is not None:
+            return self._tokenizer
+        async with self._tok_lock:
+            if self._tokenizer is None:
+                if self.cfg.model_dir is not None:
+                    tok = await asyncio.to_thread(Tokenizer, self.cfg.model_dir)
+                    eos = set(tok.eos_token_ids)
+                else:
+                    tok, eos = await self._fetch_tokenizer()
+                info = self.registry.any_info()
+                self.dispatcher.eos_token_ids = eos
+                self.dispatcher.block_size = info.block_size if info else 16
+                self._tokenizer = tok
+        return self._tokenizer
+
+    async def _fetch_tokenizer(self) -> tuple[Tokenizer, set[int]]:
+        async with httpx.AsyncClient() as client:
+            for w in self.registry.workers.values():
+                if w.up:
+                    try:
+                        return await fetch_tokenizer(client, w.url)
+                    except (httpx.HTTPError, OSError, ValueError, KeyError) as exc:
+                        log.warning("could not load the tokenizer from %s: %s", w.url, exc)
+        raise errors.unavailable("no worker could provide the tokenizer yet")
+
+    def ready(self) -> bool:
+        return bool(self.registry.usable(DECODE_ROLES))
+
+
+def create_app(cfg: RouterConfig) -> FastAPI:
+    state = RouterState(cfg)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.registry.start()
+        yield
+        await state.registry.close()
+        await state.dispatcher.close()
+
+    app = FastAPI(title="tandem router", lifespan=lifespan)
+    app.state.router = state
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return errors.internal(f"internal error: {type(exc).__name__}: {exc}").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "workers": _worker_counts(state)}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        ok = state.ready()
+        return JSONResponse({"ready": ok, "workers": _worker_counts(state)}, status_code=200 if ok else 503)
+
+    @app.get("/workers")
+    async def workers() -> list[dict[str, Any]]:
+        return [{"url": w.url, "up": w.up, "usable": w.usable, "role": w.role, "error": w.last_error,
+                 "info": w.info.model_dump() if w.info else None} for w in state.registry.workers.values()]
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        name = state.model_name()
+        entry: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "tandem"}
+        info = state.registry.any_info()
+        if info:
+            entry["max_model_len"] = info.max_model_len
+        return {"object": "list", "data": [entry]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await _serve(state, await request.body(), chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await _serve(state, await request.body(), chat=True)
+
+    return app
+
+
+def _worker_counts(state: RouterState) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for w in state.registry.workers.values():
+        key = f"{w.role or 'unknown'}_{'ready' if w.usable else 'not_ready'}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+async def _serve(state: RouterState, raw: bytes, chat: bool) -> Response:
+    arrival = time.monotonic()
+    req: ChatRequest | CompletionRequest = parse_body(raw, ChatRequest if chat else CompletionRequest)
+    served = state.model_name()
+    if req.model != served:
+        raise errors.not_found(f"the model {req.model!r} does not exist; this server serves {served!r}", "model")
+    tok = await state.tokenizer()
+    if isinstance(req, ChatRequest):
+        try:
+            text = tok.apply_chat_template(chat_messages(req))
+        except ValueError as exc:
+            raise errors.bad_request(str(exc), "messages") from None
+        prompt = tok.encode(text, add_special_tokens=False)
+        requested, want_logprobs, default_max = req.max_completion_tokens or req.max_tokens, req.logprobs, None
+    else:
+        if isinstance(req.prompt, str):
+            prompt = tok.encode(req.prompt)
+        else:
+            prompt = list(req.prompt)  # type: ignore[arg-type]
+            if any(not 0 <= t < tok.vocab_size for t in prompt):
+                raise errors.bad_request(f"prompt token ids must be in 0..{tok.vocab_size - 1}", "prompt")
+        requested, want_logprobs, default_max = req.max_tokens, req.logprobs is not None, DEFAULT_COMPLETION_MAX_TOKENS
+    if not prompt:
+        raise errors.bad_request("the prompt encodes to no tokens", "prompt")
+    max_tokens = resolve_max_tokens(requested, len(prompt), state.max_model_len(), default_max)
+    sampling = sampling_from(req, max_tokens, want_logprobs)
+    request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
+    events = state.dispatcher.generate(request_id, prompt, sampling, arrival + state.cfg.request_timeout)
+    timer = _Timer(state.telemetry, arrival, len(prompt))
+    asm = TextAssembler(tok, prompt, sampling.stop)
+    if not req.stream:
+        return await _collect(events, asm, shape, timer, len(prompt))
+    try:
+        first = await anext(events)  # errors before the first token still get a proper status code
+    except StopAsyncIteration:
+        raise errors.internal("the workers finished without producing a token") from None
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    return StreamingResponse(_stream(first, events, asm, shape, timer, len(prompt), include_usage),
+                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+
+
+class _Timer:
+    """Per-request latency metrics as the router sees them."""
+
+    def __init__(self, telemetry: Telemetry, arrival: float, prompt_tokens: int) -> None:
+        self.t, self.arrival, self.last = telemetry, arrival, None
+        telemetry.inc(m.PROMPT_TOKENS, prompt_tokens)
+
+    def tokens(self, n: int) -> None:
+        now = time.monotonic()
+        if self.last is None:
+            self.t.observe(m.TTFT, now - self.arrival)
+        else:
+            self.t.observe(m.ITL, (now - self.last) / max(1, n))
+        self.last = now
+        self.t.inc(m.GENERATION_TOKENS, n)
+
+    def done(self, reason: str) -> None:
+        self.t.observe(m.E2E, time.monotonic() - self.arrival)
+        self.t.inc(m.REQUESTS, reason=reason)
+
+
+async def _collect(events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape, timer: _Timer,
+                   prompt_tokens: int) -> Response:
+    deltas: list[Delta] = []
+    reason: str | None = None
+    try:
+        async for ev in events:
+            timer.tokens(len(ev.token_ids))
+            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
+            deltas.append(delta)
+            if delta.finish_reason is not None:
+                reason = delta.finish_reason
+                break
+    except APIError:
+        timer.done("error")
+        raise
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    timer.done(reason or "error")
+    return JSONResponse(full_response(shape, asm, deltas, reason, prompt_tokens))
+
+
+async def _stream(first: TokenEvent, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
+                  timer: _Timer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    reason: str | None = None
+    try:
+        ev: TokenEvent | None = first
+        is_first = True
+        while ev is not None:
+            timer.tokens(len(ev.token_ids))
+            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
+            if delta.text or delta.finish_reason or is_first or shape.token_ids or (shape.logprobs and delta.logprobs):
+                yield sse(stream_chunk(shape, asm, delta, is_first))
+                is_first = False
+            if delta.finish_reason is not None:
+                reason = delta.finish_reason
+                break
+            ev = await anext(events, None)
+        if include_usage:
+            yield sse(usage_chunk(shape, prompt_tokens, asm.num_tokens))
+    except APIError as exc:
+        yield sse(exc.body())
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+        timer.done(reason or "error")
+    yield sse("[DONE]")

@@ -1,0 +1,44 @@
+"""OpenAI-style errors: {"error": {"message", "type", "param", "code"}} with a matching status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def bad_request(message: str, param: str | None = None) -> APIError:
+    return APIError(400, message, param=param)
+
+
+def not_found(message: str, param: str | None = None) -> APIError:
+    return APIError(404, message, param=param, code="model_not_found" if param == "model" else None)
+
+
+def unavailable(message: str) -> APIError:
+    return APIError(503, message, type_="service_unavailable", code="no_worker_available")
+
+
+def timeout(message: str) -> APIError:
+    return APIError(504, message, type_="timeout", code="deadline_exceeded")
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, type_="server_error")

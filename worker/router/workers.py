@@ -1,0 +1,139 @@
+"""The router's live view of its workers: discovered URLs, polled GET /info, local bookkeeping.
+
+A worker is usable when its last /info poll succeeded and said ready (not draining). A request
+that fails against a worker marks it down at once, so the next request does not wait for the
+next poll to avoid it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import httpx
+from pydantic import ValidationError
+from tandem.worker.router.discovery import Discovery
+from tandem.worker.router.placement import Candidate
+from tandem.worker.server.protocol import WorkerInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerState:
+    url: str
+    info: WorkerInfo | None = None
+    up: bool = False
+    last_error: str | None = None
+    last_poll: float = 0.0
+    pending_blocks: int = 0  # blocks reserved by the router since the last poll (decode)
+    pending_tokens: int = 0  # prompt tokens sent since the last poll (prefill)
+    active: int = 0
+    first_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def usable(self) -> bool:
+        return self.up and self.info is not None and self.info.ready and not self.info.draining
+
+    @property
+    def role(self) -> str | None:
+        return self.info.role if self.info else None
+
+    def candidate(self) -> Candidate:
+        assert self.info is not None
+        stats = self.info.stats
+        return Candidate(
+            url=self.url, layout_hash=self.info.layout_hash,
+            free_blocks=int(stats.get("num_free_blocks", 0)) - self.pending_blocks,
+            queued_tokens=int(stats.get("queued_prompt_tokens", 0)) + self.pending_tokens, active=self.active)
+
+
+class WorkerRegistry:
+    def __init__(self, discovery: Discovery, model_name: str | None, poll_interval: float = 0.5,
+                 discovery_interval: float = 5.0) -> None:
+        self.discovery = discovery
+        self.model_name = model_name
+        self.poll_interval = poll_interval
+        self.discovery_interval = discovery_interval
+        self.workers: dict[str, WorkerState] = {}
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        self._task: asyncio.Task[None] | None = None
+        self.changed = asyncio.Event()
+
+    async def start(self) -> None:
+        await self.refresh_discovery()
+        await self.poll_all()
+        self._task = asyncio.create_task(self._loop())
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+        await self._client.aclose()
+
+    async def _loop(self) -> None:
+        last_discovery = time.monotonic()
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            try:
+                if time.monotonic() - last_discovery >= self.discovery_interval:
+                    last_discovery = time.monotonic()
+                    await self.refresh_discovery()
+                await self.poll_all()
+            except Exception:  # keep polling whatever one round did
+                log.exception("worker poll round failed")
+
+    async def refresh_discovery(self) -> None:
+        try:
+            urls = await self.discovery.urls()
+        except Exception as exc:
+            log.warning("worker discovery failed (keeping %d known workers): %s", len(self.workers), exc)
+            return
+        for url in urls:
+            self.workers.setdefault(url, WorkerState(url))
+        for url in list(self.workers):
+            if url not in urls:
+                log.info("worker %s left discovery", url)
+                del self.workers[url]
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll(w) for w in list(self.workers.values())))
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    async def poll(self, w: WorkerState) -> None:
+        try:
+            resp = await self._client.get(f"{w.url}/info")
+            resp.raise_for_status()
+            info = WorkerInfo.model_validate(resp.json())
+        except (httpx.HTTPError, ValidationError, ValueError) as exc:
+            if w.up:
+                log.warning("worker %s is down: %s", w.url, exc)
+            w.up, w.last_error = False, f"{type(exc).__name__}: {exc}"
+            return
+        if self.model_name and info.model != self.model_name:
+            w.up, w.last_error = False, f"serves model {info.model!r}, not {self.model_name!r}"
+            return
+        w.info, w.up, w.last_error, w.last_poll = info, True, None, time.monotonic()
+        w.pending_blocks = w.pending_tokens = 0
+
+    def mark_down(self, url: str, reason: str) -> None:
+        w = self.workers.get(url)
+        if w is not None and w.up:
+            log.warning("worker %s marked down: %s", url, reason)
+            w.up, w.last_error = False, reason
+
+    def usable(self, roles: tuple[str, ...]) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.usable and w.role in roles]
+
+    def any_info(self) -> WorkerInfo | None:
+        for w in self.workers.values():
+            if w.up and w.info is not None:
+                return w.info
+        return None
+
+    async def wait_for_change(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.changed.wait(), timeout)

@@ -1,0 +1,51 @@
+"""Settings of one worker process, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("prefill", "decode", "both")
+TRANSPORTS = ("auto", "tcp", "rdma")
+
+
+@dataclass
+class WorkerConfig:
+    model_dir: Path
+    model_name: str | None = None
+    role: str = "both"
+    pool: str = "local"
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    transport: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    kv_port: int = 5555
+    kv_host: str | None = None  # address peers use to reach --kv-port (default: --host, or this pod's IP)
+    tensor_parallel: int = 1
+    max_model_len: int | None = None
+    layout_hash: str | None = None  # expected hash (from the operator); a mismatch refuses to start
+    kv_cache_bytes: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    drain_timeout: float = 60.0
+    kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
+    fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if not self.model_dir.is_dir():
+            raise ValueError(f"model folder {self.model_dir} does not exist")
+        if self.tensor_parallel != 1:
+            raise ValueError("tensor parallelism > 1 is not supported by this engine yet (--tensor-parallel 1)")
+        if self.fault not in (None, "drop-kv"):
+            raise ValueError(f"unknown fault {self.fault!r}")
+        for name in ("port", "kv_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")

@@ -1,0 +1,168 @@
+"""Glue between the engine and the KV transfer, on both sides of a disaggregated request.
+
+Prefill side (`KVShipper`): the engine's per-layer callback sends each layer's newly completed
+blocks while later layers compute (pipelining); blocks the callback never saw (a prefix-cache
+hit, or the partial last block) are sent from the finished request's block list before
+`finish()` waits for the receiver's confirmation.
+
+Decode side (`KVIntake`): a reservation per request id, tied to the receiver's `expect()`;
+its outcome is an asyncio future, so the decode handler can wait for it with a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.worker.transfer.errors import TransferError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Outgoing:
+    transfer: Any  # OutgoingTransfer
+    num_blocks: int  # destination blocks this request's prompt fills
+    prompt_len: int
+    sent: list[list[bool]]  # [layer][dst position]
+    error: TransferError | None = None
+
+
+class KVShipper:
+    def __init__(self, sender: Any, num_layers: int, block_size: int) -> None:
+        self.sender = sender
+        self.num_layers = num_layers
+        self.block_size = block_size
+        self._active: dict[str, _Outgoing] = {}
+        self._lock = threading.Lock()
+
+    def begin(self, request_id: str, kv_address: str, transfer_id: str, dst_block_ids: list[int],
+              prompt_len: int, deadline_s: float) -> None:
+        """Open the transfer (raises TransferError when the receiver refuses or is unreachable)."""
+        needed = math.ceil(prompt_len / self.block_size)
+        if len(dst_block_ids) < needed:
+            raise ValueError(f"decode reserved {len(dst_block_ids)} blocks, the prompt needs {needed}")
+        conn = self.sender.connect(kv_address)
+        transfer = conn.begin(transfer_id, dst_block_ids[:needed], deadline_s)
+        with self._lock:
+            self._active[request_id] = _Outgoing(transfer, needed, prompt_len,
+                                                 [[False] * needed for _ in range(self.num_layers)])
+
+    def on_layer(self, layer: int, writes: list[Any]) -> None:
+        """Engine layer callback (engine thread): ship the blocks this step completed."""
+        with self._lock:
+            targets = [(w, self._active.get(w.request_id)) for w in writes]
+        for w, out in targets:
+            if out is None or out.error is not None:
+                continue
+            first = w.start_pos // self.block_size
+            last = w.end_pos // self.block_size if w.end_pos < out.prompt_len else out.num_blocks
+            src = {first + i: b for i, b in enumerate(w.block_ids)}
+            self._send_runs(out, layer, [p for p in range(first, min(last, out.num_blocks))
+                                         if not out.sent[layer][p] and p in src], src)
+
+    def _send_runs(self, out: _Outgoing, layer: int, positions: list[int], src: dict[int, int]) -> None:
+        """Send positions (ascending) as contiguous destination runs."""
+        i = 0
+        while i < len(positions) and out.error is None:
+            j = i
+            while j + 1 < len(positions) and positions[j + 1] == positions[j] + 1:
+                j += 1
+            run = positions[i:j + 1]
+            try:
+                out.transfer.send_layer(layer, [src[p] for p in run], run[0])
+                for p in run:
+                    out.sent[layer][p] = True
+            except TransferError as exc:
+                out.error = exc
+            i = j + 1
+
+    def finish(self, request_id: str, block_ids: list[int]) -> float:
+        """Send what the callback did not, then wait for the receiver's ack (blocking). Returns seconds."""
+        with self._lock:
+            out = self._active.pop(request_id, None)
+        if out is None:
+            raise TransferError("aborted", "no transfer was begun for this request")
+        start = time.monotonic()
+        src = dict(enumerate(block_ids))
+        for layer in range(self.num_layers):
+            missing = [p for p in range(out.num_blocks) if not out.sent[layer][p]]
+            if missing:
+                self._send_runs(out, layer, missing, src)
+        if out.error is not None:
+            out.transfer.abort(str(out.error))
+            raise out.error
+        out.transfer.finish()
+        return time.monotonic() - start
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            out = self._active.pop(request_id, None)
+        if out is not None:
+            out.transfer.abort(reason)
+
+
+@dataclass
+class Reservation:
+    request_id: str
+    transfer_id: str
+    block_ids: list[int]
+    outcome: asyncio.Future[TransferError | None]
+    expiry: asyncio.TimerHandle | None = None
+    claimed: bool = False
+    created: float = field(default_factory=time.monotonic)
+
+
+class KVIntake:
+    """Decode-side reservations. All methods run on the event loop thread."""
+
+    def __init__(self, receiver: Any, release: Callable[[str], Any]) -> None:
+        self.receiver = receiver
+        self._release = release  # async-schedules engine.cancel_reservation(request_id)
+        self.reservations: dict[str, Reservation] = {}
+
+    def open(self, request_id: str, block_ids: list[int], deadline_s: float) -> Reservation:
+        loop = asyncio.get_running_loop()
+        transfer_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
+        fut: asyncio.Future[TransferError | None] = loop.create_future()
+
+        def done(_tid: str, err: TransferError | None) -> None:  # receiver I/O thread
+            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(err))
+
+        self.receiver.expect(transfer_id, block_ids, deadline_s, done)
+        res = Reservation(request_id, transfer_id, block_ids, fut)
+        # Nobody claimed it (router gone?): give the blocks back a little after the transfer deadline.
+        res.expiry = loop.call_later(deadline_s + 5.0, self._expire, request_id)
+        self.reservations[request_id] = res
+        return res
+
+    def claim(self, request_id: str) -> Reservation | None:
+        res = self.reservations.pop(request_id, None)
+        if res is not None and res.expiry is not None:
+            res.expiry.cancel()
+        return res
+
+    def drop(self, res: Reservation) -> None:
+        """Abandon a reservation: nothing more lands in its blocks, and the engine frees them."""
+        self.receiver.cancel(res.transfer_id)
+        self._release(res.request_id)
+
+    def cancel(self, request_id: str) -> bool:
+        res = self.claim(request_id)
+        if res is None:
+            return False
+        self.drop(res)
+        return True
+
+    def _expire(self, request_id: str) -> None:
+        res = self.reservations.pop(request_id, None)
+        if res is not None:
+            log.warning("reservation %s was never claimed; freeing its %d blocks", request_id, len(res.block_ids))
+            self.drop(res)

@@ -1,0 +1,174 @@
+"""Starts and stops a whole local stack (router + workers as separate processes) for `tandem serve`.
+
+Each process is started in its own session so a terminal Ctrl-C reaches only the supervisor,
+which then stops things in order: the router first (no new requests), then the workers with
+SIGTERM (they drain), and SIGKILL for anything still alive after the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+MODES = ("disaggregated", "monolithic", "chunked")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    name: str  # router | prefill-0 | decode-1 | worker-0
+    role: str  # router | prefill | decode | both
+    url: str
+    argv: list[str]
+    log_path: Path
+    kv_port: int | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+
+@dataclass
+class StackSpec:
+    model_dir: Path
+    model_name: str
+    mode: str = "disaggregated"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    transport: str = "auto"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    dtype: str = "float32"
+    block_size: int = 16
+    max_model_len: int | None = None
+    kv_cache_bytes: int | None = None
+    max_num_batched_tokens: int | None = None
+    log_dir: Path = Path(".")
+    prefill_fault: str | None = None  # test hook passed to prefill workers
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.decode_workers < 1:
+            raise ValueError("at least one decode worker is needed")
+        if self.mode == "disaggregated" and self.prefill_workers < 1:
+            raise ValueError("disaggregated mode needs at least one prefill worker")
+
+
+class LocalStack:
+    def __init__(self, spec: StackSpec) -> None:
+        self.spec = spec
+        self.procs: list[Proc] = []
+        spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self._plan()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.spec.host}:{self.spec.port}"
+
+    @property
+    def workers(self) -> list[Proc]:
+        return [p for p in self.procs if p.role != "router"]
+
+    @property
+    def router(self) -> Proc:
+        return self.procs[-1]
+
+    def _worker(self, name: str, role: str, extra: list[str]) -> Proc:
+        s = self.spec
+        port, kv_port = free_port(), free_port()
+        argv = [sys.executable, "-m", "tandem.worker.cli", "worker", "--role", role, "--model", str(s.model_dir),
+                "--model-name", s.model_name, "--dtype", s.dtype, "--block-size", str(s.block_size),
+                "--transport", s.transport, "--host", "127.0.0.1", "--port", str(port), "--kv-port", str(kv_port),
+                "--pool", "local", *extra]
+        if s.max_model_len:
+            argv += ["--max-model-len", str(s.max_model_len)]
+        if s.kv_cache_bytes:
+            argv += ["--kv-cache-bytes", str(s.kv_cache_bytes)]
+        if s.max_num_batched_tokens:
+            argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        return Proc(name, role, f"http://127.0.0.1:{port}", argv, s.log_dir / f"{name}.log", kv_port)
+
+    def _plan(self) -> None:
+        s = self.spec
+        if s.mode == "disaggregated":
+            fault = ["--fault", s.prefill_fault] if s.prefill_fault else []
+            self.procs += [self._worker(f"prefill-{i}", "prefill", fault) for i in range(s.prefill_workers)]
+            self.procs += [self._worker(f"decode-{i}", "decode", []) for i in range(s.decode_workers)]
+        else:
+            chunk = ["--chunked-prefill"] if s.mode == "chunked" else ["--no-chunked-prefill"]
+            self.procs += [self._worker(f"worker-{i}", "both", chunk) for i in range(s.decode_workers)]
+        argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
+                "--model-name", s.model_name, "--model", str(s.model_dir)]
+        for p in self.workers:
+            argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
+        self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log"))
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for p in self.procs:
+            with p.log_path.open("wb") as log:
+                p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                           env=env, start_new_session=True)
+
+    def poll_ready(self, client: httpx.Client) -> dict[str, tuple[bool, float]]:
+        """name -> (ready, load progress 0..1)."""
+        out: dict[str, tuple[bool, float]] = {}
+        for p in self.procs:
+            try:
+                resp = client.get(f"{p.url}/ready", timeout=1.0)
+                body = resp.json()
+                out[p.name] = (resp.status_code == 200, float(body.get("load_progress", 1.0 if resp.status_code == 200 else 0)))
+            except (httpx.HTTPError, ValueError):
+                out[p.name] = (False, 0.0)
+        return out
+
+    def dead(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen is not None and not p.alive()]
+
+    def write_state(self, path: Path) -> None:
+        state = {"url": self.url, "mode": self.spec.mode, "model": self.spec.model_name,
+                 "processes": [{"name": p.name, "role": p.role, "url": p.url, "kv_port": p.kv_port,
+                                "log_path": str(p.log_path), "pid": p.pid} for p in self.procs]}
+        path.write_text(json.dumps(state, indent=2))
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Router first, then the workers (they drain on SIGTERM); SIGKILL after `grace` seconds."""
+        for group in ([self.router], self.workers):
+            for p in group:
+                if p.alive():
+                    assert p.popen is not None
+                    p.popen.send_signal(signal.SIGTERM)
+            limit = time.monotonic() + grace
+            for p in group:
+                if p.popen is None:
+                    continue
+                try:
+                    p.popen.wait(max(0.1, limit - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.popen.kill()
+                    p.popen.wait(5)

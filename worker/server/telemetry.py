@@ -1,0 +1,47 @@
+"""Prometheus collectors built from the shared definitions in tandem.worker.metrics.
+
+Names, kinds, help and label names come only from there; this module just instantiates them
+in a private registry and pre-fills the model/role/pool labels of this process.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
+from tandem.worker import metrics as m
+
+
+class Telemetry:
+    def __init__(self, model: str, role: str, pool: str, defs: tuple[m.MetricDef, ...] = m.ALL_WORKER_METRICS) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._common = {m.LABEL_MODEL: model, m.LABEL_ROLE: role, m.LABEL_POOL: pool}
+        self._collectors: dict[str, MetricWrapperBase] = {}
+        for d in defs:
+            self._collectors[d.name] = self._make(d)
+
+    def _make(self, d: m.MetricDef) -> MetricWrapperBase:
+        if d.kind == "gauge":
+            return Gauge(d.name, d.help, d.labels, registry=self.registry)
+        if d.kind == "counter":
+            return Counter(d.name, d.help, d.labels, registry=self.registry)
+        if d.kind == "histogram":
+            return Histogram(d.name, d.help, d.labels, registry=self.registry,
+                             buckets=d.buckets or Histogram.DEFAULT_BUCKETS)
+        raise ValueError(f"metric {d.name}: unsupported kind {d.kind!r}")
+
+    def _child(self, d: m.MetricDef, extra: dict[str, str]) -> MetricWrapperBase:
+        labels = {**self._common, **extra}
+        return self._collectors[d.name].labels(**{k: labels[k] for k in d.labels})
+
+    def set(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        self._child(d, extra).set(value)  # type: ignore[attr-defined]
+
+    def inc(self, d: m.MetricDef, amount: float = 1.0, **extra: str) -> None:
+        if amount > 0:
+            self._child(d, extra).inc(amount)  # type: ignore[attr-defined]
+
+    def observe(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        self._child(d, extra).observe(value)  # type: ignore[attr-defined]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,436 @@
+"""One worker: loads the engine, runs it in an EngineLoop, and implements the control API.
+
+HTTP routing lives in http.py; this module is the behaviour behind each route. Roles:
+- both: /generate (monolithic and chunked modes);
+- prefill: /prefill computes the prompt, ships its KV layer by layer, returns the first token;
+- decode: /kv/reserve sets blocks aside for incoming KV, /decode continues from the first token
+  (or prefills locally when the KV did not arrive), /generate for local work and migration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tandem.worker import metrics as m
+from tandem.worker.server.config import WorkerConfig
+from tandem.worker.server.engine_loop import EngineFailure, EngineLoop, Subscription
+from tandem.worker.server.kv_link import KVIntake, KVShipper
+from tandem.worker.server.protocol import (
+    DecodeRequest,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResponse,
+    ReserveRequest,
+    ReserveResponse,
+    Sampling,
+    StreamChunk,
+    WorkerInfo,
+)
+from tandem.worker.server.telemetry import Telemetry
+
+log = logging.getLogger(__name__)
+
+TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
+
+
+class Rejected(Exception):
+    """The worker will not take this request; `status` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class WorkerServer:
+    def __init__(self, cfg: WorkerConfig) -> None:
+        self.cfg = cfg
+        self.model_name = cfg.model_name or cfg.model_dir.name
+        own = tuple(d for d in m.ALL_WORKER_METRICS if d not in TRANSFER_METRICS)
+        self.telemetry = Telemetry(self.model_name, cfg.role, cfg.pool, own)
+        self.transfer_telemetry: Any = None
+        self.engine: Any = None
+        self.loop: EngineLoop | None = None
+        self.load_progress = 0.0
+        self.load_error: str | None = None
+        self.draining = False
+        self.transport: str | None = None
+        self.kv_address: str | None = None
+        self.shipper: KVShipper | None = None
+        self.intake: KVIntake | None = None
+        self._receiver: Any = None
+        self._sender: Any = None
+        self._prefix_seen = (0, 0)
+        self._stopped = threading.Event()
+
+    # --- loading ---
+    @property
+    def ready(self) -> bool:
+        return self.loop is not None and self.loop.alive and not self.draining and self.load_error is None
+
+    def load(self) -> None:
+        """Build the engine and the transport (blocking; run it in a thread)."""
+        try:
+            self._load()
+        except Exception as exc:
+            log.exception("loading the worker failed")
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            raise
+
+    def _load(self) -> None:
+        from tandem.worker.engine import EngineConfig, LLMEngine
+
+        cfg = self.cfg
+        ecfg = EngineConfig(
+            model_dir=str(cfg.model_dir), role=cfg.role, dtype=cfg.dtype, device=cfg.device,
+            block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            enable_prefix_caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len)
+
+        def progress(stage: str, fraction: float) -> None:
+            self.load_progress = max(0.0, min(1.0, fraction)) * 0.95
+            log.info("loading: %s %.0f%%", stage, fraction * 100)
+
+        engine = LLMEngine(ecfg, progress=progress)
+        if cfg.model_name:
+            self.model_name = cfg.model_name
+        layout_hash = engine.kv_layout.layout_hash()
+        if cfg.layout_hash and cfg.layout_hash != layout_hash:
+            raise ValueError(f"this worker's KV layout hash is {layout_hash}, but {cfg.layout_hash} was expected "
+                             f"(--layout-hash / TANDEM_LAYOUT_HASH): the model, dtype or block size differ from "
+                             f"what the deployment declares")
+        self.engine = engine
+        if cfg.role != "both":
+            self._start_transport(engine)
+        self.loop = EngineLoop(engine, on_step=self._on_step)
+        self.loop.start()
+        self.load_progress = 1.0
+        self.telemetry.set(m.WORKER_READY, 1)
+        log.info("worker ready: model %s, role %s, layout %s, %d KV blocks", self.model_name, cfg.role,
+                 layout_hash, engine.stats().num_total_blocks)
+
+    def _start_transport(self, engine: Any) -> None:
+        from tandem.worker.transfer.telemetry import TransferTelemetry
+
+        cfg = self.cfg
+        if cfg.transport == "rdma":
+            raise ValueError("--transport rdma is not available in this build of the worker; use tcp or auto")
+        self.transport = "tcp"
+        self.transfer_telemetry = TransferTelemetry(model=self.model_name, role=cfg.role, pool=cfg.pool)
+        self.transfer_telemetry.selected("tcp")
+        if cfg.transport == "auto":
+            log.info("KV transport: auto selected tcp")
+        layout = engine.kv_layout
+        if cfg.role == "decode":
+            from tandem.worker.transfer.tcp_receiver import TcpReceiver
+
+            self._receiver = TcpReceiver(layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
+                                         telemetry=self.transfer_telemetry)
+            port = self._receiver.address.rsplit(":", 1)[1]
+            self.kv_address = f"tcp://{self._advertised_host()}:{port}"
+            self.intake = KVIntake(self._receiver, self._cancel_reservation)
+        else:
+            from tandem.worker.transfer.tcp_sender import TcpSender
+
+            self._sender = TcpSender(layout, engine.kv_cache, telemetry=self.transfer_telemetry)
+            self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
+            engine.set_layer_callback(self.shipper.on_layer)
+
+    def _advertised_host(self) -> str:
+        if self.cfg.kv_host:
+            return self.cfg.kv_host
+        if self.cfg.host not in ("0.0.0.0", "::", ""):
+            return self.cfg.host
+        return socket.gethostbyname(socket.gethostname())
+
+    def close(self) -> None:
+        if self.loop is not None:
+            self.loop.stop()
+        for part in (self._receiver, self._sender):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("closing the KV transport")
+
+    # --- status ---
+    def info(self) -> WorkerInfo:
+        stats: dict[str, Any] = {}
+        if self.loop is not None:
+            stats = dict(vars(self.loop.stats))
+        engine = self.engine
+        return WorkerInfo(
+            model=self.model_name, role=self.cfg.role, pool=self.cfg.pool,
+            layout_hash=engine.kv_layout.layout_hash() if engine else "",
+            kv_address=self.kv_address, transport=self.transport,
+            max_model_len=engine.max_model_len if engine else 0, block_size=self.cfg.block_size,
+            ready=self.ready, draining=self.draining, load_progress=self.load_progress, stats=stats)
+
+    def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        body = self.telemetry.render()
+        if self.transfer_telemetry is not None:
+            body += generate_latest(self.transfer_telemetry.registry)
+        return body
+
+    def _on_step(self, outputs: list[Any], stats: Any) -> None:  # engine thread
+        t = self.telemetry
+        queued = stats.num_waiting + (stats.num_running if self.cfg.role == "prefill" else 0)
+        t.set(m.PREFILL_QUEUE_REQUESTS, queued)
+        t.set(m.PREFILL_QUEUE_TOKENS, stats.queued_prompt_tokens)
+        t.set(m.RUNNING_REQUESTS, stats.num_running)
+        t.set(m.WAITING_REQUESTS, stats.num_waiting)
+        t.set(m.KV_USAGE_RATIO, stats.kv_usage)
+        t.set(m.KV_FREE_BLOCKS, stats.num_free_blocks)
+        t.set(m.KV_TOTAL_BLOCKS, stats.num_total_blocks)
+        q0, h0 = self._prefix_seen
+        t.inc(m.PREFIX_CACHE_QUERIES, stats.prefix_cache_queries - q0)
+        t.inc(m.PREFIX_CACHE_HITS, stats.prefix_cache_hits - h0)
+        self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+
+    # --- shared helpers ---
+    def _require(self, *roles: str) -> EngineLoop:
+        if self.loop is None:
+            raise Rejected(503, "the model is still loading" if self.load_error is None else self.load_error)
+        if self.cfg.role not in roles:
+            raise Rejected(400, f"this is a {self.cfg.role} worker; this call needs role {' or '.join(roles)}")
+        return self.loop
+
+    def _admit(self, *roles: str) -> EngineLoop:
+        loop = self._require(*roles)
+        if self.draining:
+            raise Rejected(503, "this worker is draining and takes no new requests")
+        return loop
+
+    @staticmethod
+    def _params(s: Sampling, **update: Any) -> Any:
+        from tandem.worker.engine import SamplingParams
+
+        return SamplingParams(**{**s.model_dump(), **update})
+
+    async def _add(self, loop: EngineLoop, request_id: str, prompt: list[int], sampling: Sampling,
+                   **update: Any) -> Subscription:
+        try:
+            params = self._params(sampling, **update)
+            sub = loop.subscribe(request_id)
+        except ValueError as exc:
+            raise Rejected(400, str(exc)) from None
+        try:
+            await loop.acall(lambda e: e.add_request(request_id, prompt, params))
+        except ValueError as exc:
+            loop.unsubscribe(request_id)
+            raise Rejected(400, str(exc)) from None
+        return sub
+
+    async def _pump(self, loop: EngineLoop, request_id: str, sub: Subscription, deadline: float,
+                    first: StreamChunk | None = None) -> AsyncIterator[bytes]:
+        """NDJSON of a request's outputs until it finishes; aborts it if the caller goes away."""
+        finished = False
+        last: float | None = None
+        try:
+            if first is not None:
+                yield first.model_dump_json().encode() + b"\n"
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    yield StreamChunk(finished=True, error="the request's deadline passed on the worker").model_dump_json().encode() + b"\n"
+                    return
+                try:
+                    out = await asyncio.wait_for(sub.queue.get(), left)
+                except TimeoutError:
+                    continue
+                if isinstance(out, EngineFailure):
+                    finished = True
+                    yield StreamChunk(finished=True, error=out.message).model_dump_json().encode() + b"\n"
+                    return
+                now = time.monotonic()
+                if out.new_token_ids:
+                    if last is None and first is None:
+                        self.telemetry.observe(m.TTFT, now - sub.arrival)
+                    elif last is not None:
+                        self.telemetry.observe(m.ITL, (now - last) / len(out.new_token_ids))
+                    last = now
+                    self.telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
+                chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs, finished=out.finished,
+                                    finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens)
+                yield chunk.model_dump_json().encode() + b"\n"
+                if out.finished:
+                    finished = True
+                    self._finished(out, now - sub.arrival)
+                    return
+        finally:
+            loop.unsubscribe(request_id)
+            if not finished:
+                loop.call(lambda e: e.abort(request_id))
+
+    def _finished(self, out: Any, e2e: float) -> None:
+        self.telemetry.observe(m.E2E, e2e)
+        self.telemetry.inc(m.PROMPT_TOKENS, out.num_prompt_tokens)
+        self.telemetry.inc(m.REQUESTS, reason=str(out.finish_reason))
+
+    # --- control API ---
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
+        loop = self._admit("both", "decode")
+        sub = await self._add(loop, req.request_id, req.prompt_token_ids, req.sampling)
+        return self._pump(loop, req.request_id, sub, time.monotonic() + req.deadline_s)
+
+    async def reserve(self, req: ReserveRequest) -> ReserveResponse:
+        loop = self._admit("decode")
+        assert self.intake is not None and self.kv_address is not None
+        if req.request_id in self.intake.reservations:
+            raise Rejected(409, f"request {req.request_id!r} already has a reservation here")
+        blocks = await loop.acall(lambda e: e.reserve_kv(req.request_id, req.num_tokens))
+        if blocks is None:
+            raise Rejected(503, f"no room for {req.num_tokens} tokens of KV on this worker now")
+        try:
+            res = self.intake.open(req.request_id, list(blocks), req.deadline_s)
+        except Exception as exc:
+            self._cancel_reservation(req.request_id)
+            raise Rejected(500, f"could not expect the transfer: {exc}") from None
+        return ReserveResponse(transfer_id=res.transfer_id, kv_address=self.kv_address, block_ids=res.block_ids,
+                               layout_hash=self.engine.kv_layout.layout_hash())
+
+    def _cancel_reservation(self, request_id: str) -> None:
+        if self.loop is not None:
+            self.loop.call(lambda e: e.cancel_reservation(request_id))
+
+    async def cancel(self, request_id: str) -> bool:
+        self._require("decode")
+        assert self.intake is not None
+        return self.intake.cancel(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        loop = self._require("both", "decode", "prefill")
+        if self.intake is not None:
+            self.intake.cancel(request_id)
+        await loop.acall(lambda e: e.abort(request_id))
+
+    async def decode(self, req: DecodeRequest) -> AsyncIterator[bytes]:
+        """Continue after the first token; reservations made before a drain are still honoured."""
+        loop = self._require("decode")
+        assert self.intake is not None
+        deadline = time.monotonic() + req.deadline_s
+        res = self.intake.claim(req.request_id)
+        error: str | None = None if res is not None else "no reservation for this request here"
+        if res is not None and req.kv_ready:
+            try:
+                outcome = await asyncio.wait_for(asyncio.shield(res.outcome),
+                                                 min(self.cfg.kv_wait_timeout, deadline - time.monotonic()))
+                error = None if outcome is None else str(outcome)
+            except TimeoutError:
+                error = "the KV did not arrive in time"
+        elif res is not None:
+            error = "the prefill worker could not ship the KV"
+        if error is None and res is not None:
+            params = self._params(req.sampling)
+            try:
+                sub = loop.subscribe(req.request_id)
+            except ValueError as exc:
+                raise Rejected(409, str(exc)) from None
+            try:
+                await loop.acall(lambda e: e.add_prefilled_request(req.request_id, req.prompt_token_ids,
+                                                                   req.first_token_id, params))
+            except ValueError as exc:
+                loop.unsubscribe(req.request_id)
+                self.intake.drop(res)
+                raise Rejected(400, str(exc)) from None
+            return self._pump(loop, req.request_id, sub, deadline, StreamChunk(num_prompt_tokens=len(req.prompt_token_ids)))
+        # Fallback: prefill prompt + first token here. Slower, same tokens under greedy sampling.
+        log.warning("request %s: %s; prefilling locally", req.request_id, error)
+        if res is not None:
+            self.intake.drop(res)
+        self.telemetry.inc(m.FALLBACK_PREFILLS)
+        sub = await self._add(loop, req.request_id, [*req.prompt_token_ids, req.first_token_id], req.sampling,
+                              max_tokens=req.sampling.max_tokens - 1)
+        return self._pump(loop, req.request_id, sub, deadline,
+                          StreamChunk(num_prompt_tokens=len(req.prompt_token_ids), fallback=True))
+
+    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+        loop = self._admit("prefill")
+        rid, deadline = req.request_id, time.monotonic() + req.deadline_s
+        ship_error: str | None = None
+        shipping = False
+        if req.target is not None:
+            if self.cfg.fault == "drop-kv":
+                ship_error = "fault injection: this worker drops KV transfers"
+            elif req.target.layout_hash != self.engine.kv_layout.layout_hash():
+                ship_error = (f"layout hash mismatch: decode has {req.target.layout_hash}, this worker "
+                              f"{self.engine.kv_layout.layout_hash()}")
+            else:
+                assert self.shipper is not None
+                try:
+                    await asyncio.to_thread(self.shipper.begin, rid, req.target.kv_address, req.target.transfer_id,
+                                            req.target.block_ids, len(req.prompt_token_ids), req.deadline_s)
+                    shipping = True
+                except Exception as exc:
+                    ship_error = f"cannot start the KV transfer: {exc}"
+        try:
+            sub = await self._add(loop, rid, req.prompt_token_ids, req.sampling)
+        except Rejected:
+            if shipping:
+                self.shipper.abort(rid, "the prefill request was rejected")  # type: ignore[union-attr]
+            raise
+        finished = False
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Rejected(504, "the prefill deadline passed")
+                out = await asyncio.wait_for(sub.queue.get(), left)
+                if isinstance(out, EngineFailure):
+                    raise Rejected(500, out.message)
+                if out.finished:
+                    finished = True
+                    break
+            self.telemetry.observe(m.TTFT, time.monotonic() - sub.arrival)
+            self.telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
+            self._finished(out, time.monotonic() - sub.arrival)
+            if shipping:
+                try:
+                    await asyncio.to_thread(self.shipper.finish, rid, list(out.kv_block_ids or []))  # type: ignore[union-attr]
+                except Exception as exc:
+                    ship_error = f"KV transfer failed: {exc}"
+            if not out.new_token_ids:
+                raise Rejected(500, "the engine finished the prefill without a token")
+            return PrefillResponse(first_token_id=out.new_token_ids[0],
+                                   logprob=out.logprobs[0] if out.logprobs else None,
+                                   num_prompt_tokens=out.num_prompt_tokens,
+                                   kv_sent=shipping and ship_error is None, error=ship_error)
+        except TimeoutError:
+            raise Rejected(504, "the prefill deadline passed") from None
+        finally:
+            loop.unsubscribe(rid)
+            if shipping and not finished:
+                self.shipper.abort(rid, "the prefill did not complete")  # type: ignore[union-attr]
+            if finished:
+                loop.call(lambda e: e.release_kv(rid))
+            else:
+                loop.call(lambda e: e.abort(rid))
+
+    # --- drain ---
+    def busy(self) -> int:
+        """In-flight work: subscribed requests plus reservations not yet claimed."""
+        if self.loop is None:
+            return 0
+        return self.loop.num_subscribers() + (len(self.intake.reservations) if self.intake else 0)
+
+    async def drain(self) -> None:
+        """Stop taking work, let in-flight requests finish (bounded), then free what is left."""
+        self.draining = True
+        self.telemetry.set(m.WORKER_READY, 0)
+        log.info("draining: %d requests in flight", self.busy())
+        limit = time.monotonic() + self.cfg.drain_timeout
+        while self.busy() and time.monotonic() < limit:
+            await asyncio.sleep(0.05)
+        if self.busy():
+            log.warning("drain timeout: aborting %d requests", self.busy())
+        if self.intake is not None:
+            for rid in list(self.intake.reservations):
+                self.intake.cancel(rid)
+        log.info("drained")

@@ -1,0 +1,179 @@
+"""Helpers for the transport conformance suite (tests/transfer/) and for tests that need a pair.
+
+They build real receivers and senders on 127.0.0.1 with a tiny layout, run a peer in a
+separate process (so it can be killed mid-transfer), and speak the tcp wire protocol by hand
+to inject damaged frames, which no well-behaved sender would produce.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import zmq
+from tandem.worker.kv.layout import KVLayout
+
+from . import wire
+from .errors import TransferError
+from .interface import KVReceiver, KVSender
+from .select import make_receiver, make_sender
+from .telemetry import TransferTelemetry
+
+TINY_LAYOUT = KVLayout(model="conformance", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2,
+                       head_dim=8)
+
+
+def make_cache(layout: KVLayout, num_blocks: int, *, random: bool, seed: int = 0) -> torch.Tensor:
+    shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+    dtype = getattr(torch, layout.dtype)
+    if not random:
+        return torch.zeros(shape, dtype=dtype)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+class DoneWaiter:
+    """An on_done callback that records the outcome and lets a test wait for it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self.calls: list[tuple[str, TransferError | None]] = []
+
+    def __call__(self, transfer_id: str, error: TransferError | None) -> None:
+        self.calls.append((transfer_id, error))
+        self._event.set()
+
+    def wait(self, timeout: float) -> TransferError | None:
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"on_done was not called within {timeout}s")
+        return self.calls[0][1]
+
+
+@dataclass
+class Pair:
+    receiver: KVReceiver
+    sender: KVSender
+    src: torch.Tensor
+    dst: torch.Tensor
+    recv_telemetry: TransferTelemetry
+    send_telemetry: TransferTelemetry
+
+
+@contextmanager
+def transport_pair(kind: str, layout: KVLayout = TINY_LAYOUT, *, src_blocks: int = 32, dst_blocks: int = 32,
+                   sender_layout: KVLayout | None = None, receiver_tag: str | None = None,
+                   sender_tag: str | None = None, **sender_options: Any) -> Iterator[Pair]:
+    """A receiver (zeroed cache) and a sender (random cache) of `kind`, closed afterwards."""
+    sender_layout = sender_layout or layout
+    recv_telemetry, send_telemetry = TransferTelemetry(role="decode"), TransferTelemetry(role="prefill")
+    dst = make_cache(layout, dst_blocks, random=False)
+    src = make_cache(sender_layout, src_blocks, random=True)
+    receiver = make_receiver(kind, layout, dst, layout_tag=receiver_tag, telemetry=recv_telemetry)
+    try:
+        sender = make_sender(kind, sender_layout, src, layout_tag=sender_tag, telemetry=send_telemetry,
+                             **sender_options)
+        try:
+            yield Pair(receiver, sender, src, dst, recv_telemetry, send_telemetry)
+        finally:
+            sender.close()
+    finally:
+        receiver.close()
+
+
+# --- peers in their own process (killed mid-transfer by the tests) -------------------------
+
+def _sender_process(kind: str, address: str, transfer_id: str, dst_ids: list[int], layers: int,
+                    pipe: Connection) -> None:
+    src = make_cache(TINY_LAYOUT, len(dst_ids), random=True)
+    sender = make_sender(kind, TINY_LAYOUT, src)
+    transfer = sender.connect(address).begin(transfer_id, dst_ids, 60.0)
+    for layer in range(layers):
+        transfer.send_layer(layer, list(range(len(dst_ids))))
+    pipe.send("sent")
+    time.sleep(120)  # wait to be killed
+
+
+def _receiver_process(kind: str, num_blocks: int, pipe: Connection) -> None:
+    receiver = make_receiver(kind, TINY_LAYOUT, make_cache(TINY_LAYOUT, num_blocks, random=False))
+    pipe.send(receiver.address)
+    while True:
+        transfer_id, block_ids = pipe.recv()
+        receiver.expect(transfer_id, block_ids, 60.0, lambda *_: None)
+        pipe.send("expected")
+
+
+class PeerProcess:
+    """A sender or receiver in a child process; kill() is SIGKILL, like a crashed worker."""
+
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipe, child = ctx.Pipe()
+        self.process = ctx.Process(target=target, args=(*args, child), daemon=True)
+        self.process.start()
+
+    def recv(self, timeout: float = 60.0) -> Any:
+        if not self.pipe.poll(timeout):
+            raise TimeoutError("the peer process did not answer")
+        return self.pipe.recv()
+
+    def kill(self) -> None:
+        if self.process.pid is not None and self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=10)
+
+
+def spawn_sender(kind: str, address: str, transfer_id: str, dst_ids: list[int], layers: int) -> PeerProcess:
+    return PeerProcess(_sender_process, kind, address, transfer_id, dst_ids, layers)
+
+
+def spawn_receiver(kind: str, num_blocks: int) -> PeerProcess:
+    return PeerProcess(_receiver_process, kind, num_blocks)
+
+
+# --- a hand-written tcp peer, for frames no real sender would send --------------------------
+
+class RawTcpPeer:
+    """Speaks the tcp wire protocol directly, so a test can send a damaged or misaddressed frame."""
+
+    def __init__(self, address: str, layout: KVLayout) -> None:
+        self.layout = layout
+        self._ctx = zmq.Context()
+        self.sock = self._ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.sock.send_multipart(wire.encode_control(wire.HELLO, wire.hello(layout, None, uuid.uuid4().hex, "tcp")))
+        kind, body = self.recv(5.0)
+        if kind != wire.WELCOME:
+            raise TransferError.from_wire(wire.decode_control(body))
+
+    def recv(self, timeout: float) -> list[bytes]:
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TimeoutError("no reply from the receiver")
+        return self.sock.recv_multipart()
+
+    def send_frame(self, transfer_id: str, layer: int, kind: int, dst_ids: list[int], payload: bytes,
+                   flip_byte: int | None = None) -> None:
+        """Send one data frame; with flip_byte, that payload byte is flipped after the digest is taken."""
+        raw_id = transfer_id.encode()
+        ids = struct.pack(f"<{len(dst_ids)}i", *dst_ids)
+        body = bytearray(payload)
+        digest = wire.frame_digest(0, layer, kind, len(dst_ids), len(body), raw_id, ids, body)
+        if flip_byte is not None:
+            body[flip_byte] ^= 0x40
+        header = wire.pack_header(0, layer, kind, len(dst_ids), len(body), digest)
+        self.sock.send_multipart([wire.DATA, header, raw_id, ids, bytes(body)])
+
+    def close(self) -> None:
+        self.sock.close()
+        self._ctx.term()

@@ -1,0 +1,371 @@
+"""Decode side of the tcp transport: a zmq ROUTER socket that verifies frames into the cache.
+
+One I/O thread owns the socket. It answers handshakes, checks every data frame (header, sizes,
+checksum, reservation) before writing it, acknowledges each frame (the sender's backpressure
+credit), and enforces deadlines. A sender connection that closes mid-transfer is noticed
+through a zmq socket monitor and fails that sender's transfers at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+from tandem.worker.kv.layout import KVLayout
+
+from . import wire
+from .blocks import check_cache, write_blocks
+from .errors import ABORTED, CLOSED, INVALID_FRAME, PEER_LOST, TIMEOUT, UNKNOWN_TRANSFER, TransferError
+from .telemetry import TransferTelemetry
+from .tracking import DoneCallback, Reservation, check_data_frame, validate_block_ids
+from .zmqutil import Wakeup, check_deadline, disconnected_fds, encode_transfer_id, source_fd
+
+log = logging.getLogger(__name__)
+_SEQ = struct.Struct("<Q")
+_RECENT_OUTCOMES = 4096  # finished transfers remembered, to answer late FINISH/frames precisely
+
+
+@dataclass
+class _Session:
+    session_id: str
+    control: bytes  # routing id of the sender's first stream: replies go there
+    identities: set[bytes] = field(default_factory=set)
+    fds: set[int] = field(default_factory=set)
+
+
+class TcpReceiver:
+    """Receives KV blocks into `kv_cache`; see tandem.worker.transfer for the API."""
+
+    transport = "tcp"
+
+    def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
+                 layout_tag: str | None = None, telemetry: TransferTelemetry | None = None) -> None:
+        check_cache(layout, kv_cache)
+        self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
+        self.num_blocks = kv_cache.shape[2]
+        self.telemetry = telemetry or TransferTelemetry()
+        self._ctx = zmq.Context()
+        self._router = self._ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer errors, not blocks
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        try:
+            if port == 0:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._router.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError as exc:
+            self._router.close()
+            self._ctx.term()
+            raise ValueError(f"cannot listen for KV transfers on {host}:{port}: {exc}") from exc
+        self.address = f"tcp://{host}:{port}"
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._lock = threading.Lock()  # guards _reservations; held while a frame is written
+        self._reservations: dict[str, Reservation] = {}
+        self._outcomes: OrderedDict[str, TransferError | None] = OrderedDict()
+        self._sessions: dict[str, _Session] = {}
+        self._identity_session: dict[bytes, str] = {}
+        self._fd_session: dict[int, str] = {}
+        self._closing = False
+        self._wakeup = Wakeup()
+        self._thread = threading.Thread(target=self._run, name=f"kv-recv-{port}", daemon=True)
+        self._thread.start()
+
+    # --- public API ------------------------------------------------------------------------
+
+    def expect(self, transfer_id: str, block_ids: list[int], deadline_s: float, on_done: DoneCallback) -> None:
+        """Reserve `block_ids` (every layer, K and V) for `transfer_id`.
+
+        `on_done(transfer_id, None)` runs once all of them arrived and verified; on failure or
+        expiry `on_done(transfer_id, TransferError)` runs and nothing more is written into those
+        blocks. Callbacks run on the receiver's I/O thread: keep them short.
+        """
+        encode_transfer_id(transfer_id)
+        ids = validate_block_ids(block_ids, self.num_blocks, f"expect({transfer_id!r})")
+        deadline = time.monotonic() + check_deadline(deadline_s)
+        if not callable(on_done):
+            raise ValueError("on_done must be callable")
+        with self._lock:
+            if self._closing:
+                raise TransferError(CLOSED, "the receiver is closed", transfer_id)
+            if transfer_id in self._reservations:
+                raise ValueError(f"transfer {transfer_id!r} is already expected")
+            self._outcomes.pop(transfer_id, None)
+            self._reservations[transfer_id] = Reservation(transfer_id, ids, self.layout.num_layers,
+                                                          deadline, on_done)
+        self._wakeup.set()  # the I/O thread recomputes its next deadline
+
+    def cancel(self, transfer_id: str) -> bool:
+        """Drop a reservation without calling on_done; once this returns nothing more is written."""
+        with self._lock:
+            reservation = self._reservations.pop(transfer_id, None)
+            if reservation is not None:
+                self._remember(transfer_id, TransferError(ABORTED, "the receiver cancelled the transfer"))
+        return reservation is not None
+
+    def pending(self) -> list[str]:
+        with self._lock:
+            return list(self._reservations)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        self._wakeup.set()
+        self._thread.join(timeout=10)
+        self._monitor.close(linger=0)
+        self._router.close(linger=0)
+        self._ctx.term()
+        self._wakeup.close()
+
+    def __enter__(self) -> TcpReceiver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- I/O thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        poller.register(self._wakeup.fd, zmq.POLLIN)
+        while not self._closing:
+            events = dict(poller.poll(self._poll_timeout_ms()))
+            if self._wakeup.fd in events:
+                self._wakeup.clear()
+            if self._router in events:
+                self._drain_router()
+            if self._monitor in events:
+                for fd in disconnected_fds(self._monitor):
+                    self._peer_closed(fd)
+            self._expire()
+        self._fail_all(TransferError(CLOSED, "the receiver was closed"))
+
+    def _poll_timeout_ms(self) -> int:
+        with self._lock:
+            deadlines = [r.deadline for r in self._reservations.values()]
+        if not deadlines:
+            return 1000
+        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _drain_router(self) -> None:
+        for _ in range(256):  # bounded, so deadlines and monitor events get their turn
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._handle(parts)
+            except Exception:  # one bad message must never stop the receiver
+                log.exception("KV receiver: error while handling a message; message dropped")
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        identity, kind = parts[0].bytes, parts[1].bytes if len(parts) > 1 else b""
+        if kind == wire.DATA and len(parts) == 6:
+            self._on_data(identity, parts)
+        elif kind == wire.HELLO and len(parts) == 3:
+            self._on_hello(identity, parts[2], source_fd(parts[1]))
+        elif kind == wire.ATTACH and len(parts) == 3:
+            self._on_attach(identity, parts[2], source_fd(parts[1]))
+        elif kind in (wire.BEGIN, wire.FINISH, wire.ABORT) and len(parts) == 3:
+            self._on_transfer_control(identity, kind, wire.decode_control(parts[2].buffer))
+        else:
+            log.warning("KV receiver: dropped a malformed message (%d parts, kind %r)", len(parts), kind)
+
+    def _send(self, identity: bytes, parts: list[bytes]) -> None:
+        try:
+            self._router.send_multipart([identity, *parts], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or its queue full: it will time out on its own
+            log.debug("KV receiver: could not reply to %r: %s", identity, exc)
+
+    def _on_hello(self, identity: bytes, body: zmq.Frame, fd: int | None) -> None:
+        peer = wire.decode_control(body.buffer)
+        refusal = wire.check_hello(self.layout, self.layout_tag, self.transport, peer)
+        if refusal is not None:
+            log.error("KV receiver %s refused a sender: %s", self.address, refusal.message)
+            self.telemetry.failed(self.transport, refusal.reason)
+            self._send(identity, wire.encode_control(wire.REFUSE, refusal.to_wire()))
+            return
+        session_id = str(peer.get("session"))
+        session = _Session(session_id, identity)
+        self._sessions[session_id] = session
+        self._bind(session, identity, fd)
+        self._send(identity, wire.encode_control(wire.WELCOME, {"num_blocks": self.num_blocks,
+                                                                "layout_hash": self.layout.layout_hash()}))
+
+    def _on_attach(self, identity: bytes, body: zmq.Frame, fd: int | None) -> None:
+        session = self._sessions.get(str(wire.decode_control(body.buffer).get("session")))
+        if session is None:
+            log.warning("KV receiver: a stream attached to an unknown session; ignored")
+            return
+        self._bind(session, identity, fd)
+
+    def _bind(self, session: _Session, identity: bytes, fd: int | None) -> None:
+        session.identities.add(identity)
+        self._identity_session[identity] = session.session_id
+        if fd is not None:
+            session.fds.add(fd)
+            self._fd_session[fd] = session.session_id
+
+    def _on_transfer_control(self, identity: bytes, kind: bytes, msg: dict[str, object]) -> None:
+        transfer_id = str(msg.get("transfer_id"))
+        session_id = self._identity_session.get(identity)
+        if session_id is None:
+            self._send(identity, self._failed_msg(transfer_id, TransferError(
+                INVALID_FRAME, "message before a successful handshake", transfer_id)))
+            return
+        with self._lock:
+            reservation = self._reservations.get(transfer_id)
+        if reservation is None:
+            self._reply_unknown(identity, transfer_id, finishing=kind == wire.FINISH)
+            return
+        if reservation.session not in (None, session_id):
+            self._send(identity, self._failed_msg(transfer_id, TransferError(
+                INVALID_FRAME, "another sender already began this transfer", transfer_id)))
+            return
+        if kind == wire.BEGIN:
+            dst = msg.get("dst_block_ids")
+            if dst != reservation.block_ids.tolist():
+                self._fail(reservation, TransferError(INVALID_FRAME, "the sender's destination blocks differ "
+                                                      "from the receiver's reservation", transfer_id), identity)
+                return
+            reservation.claim(session_id)
+        elif kind == wire.FINISH:
+            reservation.finish_requested = True  # DONE goes out when the last frame verifies
+        else:
+            self._fail(reservation, TransferError(ABORTED, f"the sender aborted: {msg.get('message', '')}",
+                                                  transfer_id), None)
+
+    def _reply_unknown(self, identity: bytes, transfer_id: str, finishing: bool) -> None:
+        with self._lock:
+            known = transfer_id in self._outcomes
+            outcome = self._outcomes.get(transfer_id)
+        if known and outcome is None:
+            if finishing:
+                self._send(identity, wire.encode_control(wire.DONE, {"transfer_id": transfer_id}))
+            return
+        error = outcome or TransferError(UNKNOWN_TRANSFER, "the receiver expects no such transfer", transfer_id)
+        self._send(identity, self._failed_msg(transfer_id, error))
+
+    def _on_data(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        raw_id = parts[3].bytes
+        transfer_id = raw_id.decode(errors="replace")
+        session_id = self._identity_session.get(identity)
+        with self._lock:
+            reservation = self._reservations.get(transfer_id)
+            unknown = reservation is None or session_id is None
+            if reservation is not None and reservation.session not in (None, session_id):
+                self._send(identity, self._failed_msg(transfer_id, TransferError(
+                    INVALID_FRAME, "another sender already began this transfer", transfer_id)))
+                return
+            if reservation is not None and session_id is not None:
+                reservation.claim(session_id)  # frames may overtake BEGIN (it travels on stream 0)
+                try:
+                    header = wire.unpack_header(parts[2].buffer)
+                    dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, parts[5].buffer)
+                    positions = reservation.positions(header.layer, header.kind, dst_ids)
+                except ValueError as exc:
+                    error: TransferError | None = TransferError(INVALID_FRAME, str(exc), transfer_id)
+                except TransferError as exc:
+                    error = exc
+                else:
+                    error = None
+                    write_blocks(self.kv_cache, header.layer, header.kind, dst_ids, parts[5].buffer)
+                    reservation.mark(header.layer, header.kind, positions, len(parts[5].buffer))
+        if unknown:
+            self._reply_unknown(self._control_identity(identity), transfer_id, finishing=False)
+            return
+        assert reservation is not None
+        if error is not None:
+            log.warning("KV receiver rejected a frame, nothing written: %s", error)
+            self._fail(reservation, error, None)
+            return
+        self._send(identity, [wire.ACK, raw_id, _SEQ.pack(header.seq)])
+        if reservation.complete:
+            self._complete(reservation)
+
+    def _control_identity(self, identity: bytes) -> bytes:
+        session = self._sessions.get(self._identity_session.get(identity, ""))
+        return session.control if session else identity
+
+    # --- outcomes --------------------------------------------------------------------------
+
+    def _complete(self, reservation: Reservation) -> None:
+        with self._lock:
+            if self._reservations.pop(reservation.transfer_id, None) is None:
+                return
+            self._remember(reservation.transfer_id, None)
+        seconds = time.monotonic() - (reservation.begun_at or time.monotonic())
+        self.telemetry.transferred(self.transport, "recv", reservation.bytes_received, seconds)
+        session = self._sessions.get(reservation.session or "")
+        if session is not None and reservation.finish_requested:
+            self._send(session.control, wire.encode_control(wire.DONE, {"transfer_id": reservation.transfer_id}))
+        self._notify(reservation, None)
+
+    def _fail(self, reservation: Reservation, error: TransferError, reply_to: bytes | None) -> None:
+        with self._lock:
+            if self._reservations.pop(reservation.transfer_id, None) is None:
+                return
+            self._remember(reservation.transfer_id, error)
+        log.warning("KV transfer %s failed on the receiver: %s", reservation.transfer_id, error)
+        self.telemetry.failed(self.transport, error.reason)
+        session = self._sessions.get(reservation.session or "")
+        target = reply_to or (session.control if session else None)
+        if target is not None:
+            self._send(target, self._failed_msg(reservation.transfer_id, error))
+        self._notify(reservation, error)
+
+    def _notify(self, reservation: Reservation, error: TransferError | None) -> None:
+        try:
+            reservation.on_done(reservation.transfer_id, error)
+        except Exception:
+            log.exception("KV receiver: on_done callback for %s raised", reservation.transfer_id)
+
+    def _remember(self, transfer_id: str, outcome: TransferError | None) -> None:
+        self._outcomes[transfer_id] = outcome
+        while len(self._outcomes) > _RECENT_OUTCOMES:
+            self._outcomes.popitem(last=False)
+
+    @staticmethod
+    def _failed_msg(transfer_id: str, error: TransferError) -> list[bytes]:
+        return wire.encode_control(wire.FAILED, {"transfer_id": transfer_id, **error.to_wire()})
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [r for r in self._reservations.values() if r.expired(now)]
+        for reservation in expired:
+            self._fail(reservation, TransferError(
+                TIMEOUT, f"deadline passed with {reservation.missing} of "
+                f"{reservation.block_ids.numel() * 2 * self.layout.num_layers} (layer, K/V, block) pieces missing",
+                reservation.transfer_id), None)
+
+    def _peer_closed(self, fd: int) -> None:
+        session_id = self._fd_session.pop(fd, None)
+        session = self._sessions.pop(session_id, None) if session_id else None
+        if session is None:
+            return
+        for other_fd in session.fds:
+            self._fd_session.pop(other_fd, None)
+        for identity in session.identities:
+            self._identity_session.pop(identity, None)
+        with self._lock:
+            orphans = [r for r in self._reservations.values() if r.session == session.session_id]
+        for reservation in orphans:
+            self._fail(reservation, TransferError(PEER_LOST, "the sender's connection closed mid-transfer",
+                                                  reservation.transfer_id), None)
+
+    def _fail_all(self, error: TransferError) -> None:
+        with self._lock:
+            everything = list(self._reservations.values())
+        for reservation in everything:
+            self._fail(reservation, TransferError(error.reason, error.message, reservation.transfer_id), None)

@@ -1,0 +1,47 @@
+"""Prometheus series of the KV transfer, built from the shared names in tandem.worker.metrics.
+
+One `TransferTelemetry` per worker process: pass the same object to its receiver and sender
+(a Prometheus registry refuses the same family twice). Without a registry, series go to a
+private one that nothing exports, which is what tests and benchmarks want.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from tandem.worker import metrics as m
+
+
+class TransferTelemetry:
+    def __init__(self, registry: CollectorRegistry | None = None, *, model: str = "", role: str = "",
+                 pool: str = "") -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self._labels = {m.LABEL_MODEL: model, m.LABEL_ROLE: role, m.LABEL_POOL: pool}
+        self._bytes = Counter(m.KV_TRANSFER_BYTES.name, m.KV_TRANSFER_BYTES.help,
+                              m.KV_TRANSFER_BYTES.labels, registry=self.registry)
+        self._seconds = Histogram(m.KV_TRANSFER_SECONDS.name, m.KV_TRANSFER_SECONDS.help,
+                                  m.KV_TRANSFER_SECONDS.labels, registry=self.registry,
+                                  buckets=m.KV_TRANSFER_SECONDS.buckets or Histogram.DEFAULT_BUCKETS)
+        self._failures = Counter(m.KV_TRANSFER_FAILURES.name, m.KV_TRANSFER_FAILURES.help,
+                                 m.KV_TRANSFER_FAILURES.labels, registry=self.registry)
+        self._transport = Gauge(m.KV_TRANSPORT_INFO.name, m.KV_TRANSPORT_INFO.help,
+                                m.KV_TRANSPORT_INFO.labels, registry=self.registry)
+
+    def transferred(self, transport: str, direction: str, nbytes: int, seconds: float) -> None:
+        labels = {**self._labels, m.LABEL_TRANSPORT: transport, m.LABEL_DIRECTION: direction}
+        self._bytes.labels(**labels).inc(nbytes)
+        self._seconds.labels(**labels).observe(seconds)
+
+    def failed(self, transport: str, reason: str) -> None:
+        self._failures.labels(**self._labels, **{m.LABEL_TRANSPORT: transport, m.LABEL_REASON: reason}).inc()
+
+    def selected(self, transport: str) -> None:
+        """Mark `transport` as the one in use (1) and the others as not (0)."""
+        for kind in ("tcp", "rdma"):
+            self._transport.labels(**self._labels, **{m.LABEL_TRANSPORT: kind}).set(int(kind == transport))
+
+    def failures(self, transport: str, reason: str) -> float:
+        """Current failure count (for tests and `tandem doctor`)."""
+        value = self.registry.get_sample_value(
+            m.exposed_name(m.KV_TRANSFER_FAILURES),
+            {**self._labels, m.LABEL_TRANSPORT: transport, m.LABEL_REASON: reason})
+        return value or 0.0

@@ -1,0 +1,65 @@
+"""Small pyzmq helpers shared by the receiver and sender I/O threads."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+# Transfer ids are request ids; bounded so a header never balloons.
+MAX_TRANSFER_ID_BYTES = 256
+
+
+class Wakeup:
+    """Lets other threads wake an I/O thread that sleeps in zmq.Poller.poll (an eventfd)."""
+
+    def __init__(self) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+
+    def set(self) -> None:
+        with contextlib.suppress(OSError):  # closed during shutdown
+            os.eventfd_write(self.fd, 1)
+
+    def clear(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):
+            os.eventfd_read(self.fd)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def disconnected_fds(monitor: zmq.Socket[bytes]) -> list[int]:
+    """Drain a monitor socket; return the file descriptors of connections that closed."""
+    closed: list[int] = []
+    while True:
+        try:
+            event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+        except zmq.Again:
+            return closed
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            closed.append(int(event["value"]))
+
+
+def source_fd(frame: zmq.Frame) -> int | None:
+    """The socket a received message came in on (lets a monitor event be tied to a peer)."""
+    try:
+        return int(frame.get(zmq.SRCFD))
+    except (zmq.ZMQError, AttributeError, TypeError, ValueError):
+        return None
+
+
+def encode_transfer_id(transfer_id: str) -> bytes:
+    if not isinstance(transfer_id, str) or not transfer_id:
+        raise ValueError("transfer_id must be a non-empty string")
+    raw = transfer_id.encode()
+    if len(raw) > MAX_TRANSFER_ID_BYTES:
+        raise ValueError(f"transfer_id is longer than {MAX_TRANSFER_ID_BYTES} bytes")
+    return raw
+
+
+def check_deadline(deadline_s: float) -> float:
+    if not isinstance(deadline_s, int | float) or not deadline_s > 0:
+        raise ValueError(f"deadline_s must be a positive number of seconds, got {deadline_s!r}")
+    return float(deadline_s)
