@@ -18,18 +18,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import common as common_builders
-from grafana_foundation_sdk.builders import dashboard as dash
-from grafana_foundation_sdk.builders import prometheus, timeseries
-from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models import common
-from grafana_foundation_sdk.models.dashboard import (
-    DashboardCursorSync,
-    DataSourceRef,
-    VariableHide,
-    VariableRefresh,
-    VariableSort,
-)
+try:
+    from grafana_foundation_sdk.builders import common as common_builders
+    from grafana_foundation_sdk.builders import dashboard as dash
+    from grafana_foundation_sdk.builders import prometheus, timeseries
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+    from grafana_foundation_sdk.models import common
+    from grafana_foundation_sdk.models.dashboard import (
+        DashboardCursorSync,
+        DataSourceRef,
+        VariableHide,
+        VariableRefresh,
+        VariableSort,
+    )
+except ModuleNotFoundError as exc:  # a dev-only dependency: say how to get it
+    raise ModuleNotFoundError(
+        "hack/gen_dashboards.py needs grafana-foundation-sdk: "
+        "pip install 'grafana-foundation-sdk==1769699998!10.1.0'", name=exc.name) from exc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -70,13 +70,24 @@ def step_trace(base_rps: float = 2.0, factor: float = 5.0, before_s: float = 120
 
 
 def load_trace(name: str, time_scale: float = 1.0, length_scale: float = 1.0,
-               limit_s: float | None = None) -> list[Request]:
+               limit_s: float | None = None, step_shape: str | None = None) -> list[Request]:
     """`step`, `mooncake`, `azure` or a path. Arrivals are divided by time_scale (compressed when
-    > 1) and token counts multiplied by length_scale; limit_s cuts the (scaled) trace."""
+    > 1) and token counts multiplied by length_scale; limit_s cuts the (scaled) trace.
+    step_shape is "BASE_RPS,FACTOR,BEFORE_S,DURING_S,AFTER_S" for the step trace."""
     if time_scale <= 0 or length_scale <= 0:
         raise ValueError("time and length scales must be positive")
     if name == "step":
-        raw = step_trace()
+        if step_shape:
+            try:
+                base, factor, before, during, after = (float(x) for x in step_shape.split(","))
+            except ValueError:
+                raise ValueError(f"step shape wants BASE_RPS,FACTOR,BEFORE_S,DURING_S,AFTER_S, "
+                                 f"got {step_shape!r}") from None
+            if min(base, factor) <= 0 or min(before, during, after) < 0:
+                raise ValueError(f"step shape {step_shape!r}: rates must be positive, durations non-negative")
+            raw = step_trace(base, factor, before, during, after)
+        else:
+            raw = step_trace()
     else:
         path = {"mooncake": TRACES / "mooncake_conversation.jsonl",
                 "azure": TRACES / "azure_llm_2023_code.csv"}.get(name, Path(name))
@@ -330,7 +341,7 @@ def kube_replicas_reader(deployments: dict[str, tuple[str, str]], kubeconfig: st
 def serve(args: argparse.Namespace) -> None:
     from prometheus_client import CollectorRegistry, start_http_server
 
-    trace = load_trace(args.trace, args.time_scale, args.length_scale, args.limit)
+    trace = load_trace(args.trace, args.time_scale, args.length_scale, args.limit, args.step_shape)
     model = LoadModel(trace, _capacity(args))
     collector = MetricsCollector(model, args.model)
     registry = CollectorRegistry()
@@ -441,7 +452,7 @@ def simulate(args: argparse.Namespace, static: dict[str, int] | None = None) -> 
     """Run the closed loop; `static` pins the pools (autoscaling off) for the baseline."""
     from tandem.operator.autoscaler_timer import PoolCounts, autoscale_tick
 
-    trace = load_trace(args.trace, args.time_scale, args.length_scale, args.limit)
+    trace = load_trace(args.trace, args.time_scale, args.length_scale, args.limit, args.step_shape)
     model = LoadModel(trace, _capacity(args))
     spec = simulation_spec(args, static)
     cluster = SimCluster({"prefill": args.capacity_prefill, "decode": args.capacity_decode}, args.startup)
@@ -503,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--time-scale", type=float, default=1.0, help="divide arrival times by this")
         s.add_argument("--length-scale", type=float, default=1.0, help="multiply token counts by this")
         s.add_argument("--limit", type=float, default=None, help="stop the (scaled) trace after this many s")
+        s.add_argument("--step-shape", default=None,
+                       help="BASE_RPS,FACTOR,BEFORE_S,DURING_S,AFTER_S for --trace step (default 2,5,120,240,420)")
         s.add_argument("--model", default="sim-model", help="value of the model label")
         s.add_argument("--prefill-tps", type=float, default=Capacity.prefill_tps)
         s.add_argument("--kv-tokens", type=int, default=Capacity.kv_tokens)

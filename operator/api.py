@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 from tandem.operator.rules import ApiModel, CrossFieldRule
 
 GROUP = "tandem.dev"
@@ -28,7 +28,22 @@ POWERS_OF_TWO = tuple(2**i for i in range(11))  # 1 .. 1024 tokens per KV block
 MAX_NAME_LENGTH = 55
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 
-Quantity = Annotated[int | str, Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.")]
+# The API server's own pattern for resource.Quantity (as controller-gen emits it).
+QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
+                    r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _check_quantity(value: int | str) -> int | str:
+    if isinstance(value, str) and not re.match(QUANTITY_PATTERN, value):
+        raise ValueError(f"{value!r} is not a Kubernetes quantity (such as 2, 500m or 16Gi)")
+    return value
+
+
+Quantity = Annotated[
+    int | str,
+    AfterValidator(_check_quantity),
+    Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.", json_schema_extra={"pattern": QUANTITY_PATTERN}),
+]
 PoolName = Literal["prefill", "decode"]
 POOLS: tuple[PoolName, ...] = ("prefill", "decode")
 

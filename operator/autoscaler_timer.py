@@ -198,7 +198,7 @@ def _limited_condition(decisions: Mapping[str, PoolDecision]) -> ConditionValue:
                               "every pool is where its load wants it")
     present = {lim for d in limited.values() for lim in d.limits}
     reason = next(r for key, r in _LIMIT_REASONS if key in present)
-    message = "; ".join(f"{p}: {d.reasons[-1] if d.reasons else ''}" for p, d in limited.items())
+    message = "; ".join(f"{p}: {'; '.join(d.limit_notes)}" for p, d in limited.items())
     return ConditionValue(SCALING_LIMITED, "True", reason, message[:_MAX_REASON_CHARS])
 
 

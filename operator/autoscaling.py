@@ -185,6 +185,7 @@ class PoolDecision:
     limits: tuple[str, ...] = ()  # why the pool could not go where the load wanted (ScalingLimited)
     metrics_missing: bool = False
     state: PoolState = field(default_factory=PoolState)
+    limit_notes: tuple[str, ...] = ()  # the message for each entry of `limits`
 
     @property
     def direction(self) -> str:
@@ -320,7 +321,7 @@ def decide_pool(pool: str, policy: PoolPolicy, obs: PoolObservation, state: Pool
             msg += f" (held at minReplicas {policy.min_replicas})"
         new_state = replace(state, capacity_cap=cap, capacity_cap_until=cap_until)
         return PoolDecision(pool, current, desired, None, obs.signal, (msg,), ("Unschedulable",),
-                            False, new_state)
+                            False, new_state, (msg,))
 
     rec, reasons = recommend(pool, policy, obs, now, state)
     guard_latency = state.slo_guard_latency
@@ -330,18 +331,25 @@ def decide_pool(pool: str, policy: PoolPolicy, obs: PoolObservation, state: Pool
     if rec is None:
         desired = min(max(current, policy.min_replicas), policy.max_replicas)
         bounds: tuple[str, ...] = ()
+        notes: tuple[str, ...] = ()
         if desired != current:
             bounds = ("MinMax",)
-            reasons.append(f"replicas {current} outside [{policy.min_replicas}, {policy.max_replicas}] -> {desired}")
+            notes = (f"replicas {current} outside [{policy.min_replicas}, {policy.max_replicas}] -> {desired}",)
+            reasons += notes
         new_state = replace(state, capacity_cap=cap, capacity_cap_until=cap_until)
-        return PoolDecision(pool, current, desired, None, obs.signal, tuple(reasons), bounds, True, new_state)
+        return PoolDecision(pool, current, desired, None, obs.signal, tuple(reasons), bounds, True, new_state,
+                            notes)
 
     keep_s = max(policy.scale_up_stabilization_s, policy.scale_down_stabilization_s)
     history = tuple((t, r) for t, r in state.recommendations if t > now - keep_s)
     observed_since = state.observed_since if state.observed_since is not None else now
     value, why = stabilize(policy, current, rec, history, now, observed_since)
     reasons += why
-    limits: list[str] = []
+    limits: list[tuple[str, str]] = []  # (code, message)
+
+    def limit(code: str, message: str) -> None:
+        reasons.append(message)
+        limits.append((code, message))
 
     if value < current and state.last_scale_time is not None \
             and now - state.last_scale_time < policy.cooldown_s:
@@ -352,19 +360,16 @@ def decide_pool(pool: str, policy: PoolPolicy, obs: PoolObservation, state: Pool
     if value > current:
         step = max(policy.max_scale_up_pods, math.ceil(current * policy.max_scale_up_percent / 100))
         if value > current + step:
-            reasons.append(f"max step: +{step} per interval (of {value - current} wanted)")
-            limits.append("MaxStep")
+            limit("MaxStep", f"max step: +{step} per interval (of {value - current} wanted)")
             value = current + step
     if value > policy.max_replicas:
-        reasons.append(f"capped at maxReplicas {policy.max_replicas} (load wants {value})")
-        limits.append("MaxReplicas")
+        limit("MaxReplicas", f"capped at maxReplicas {policy.max_replicas} (load wants {max(rec, value)})")
         value = policy.max_replicas
     if value < policy.min_replicas:
         reasons.append(f"held at minReplicas {policy.min_replicas}")
         value = policy.min_replicas
     if cap is not None and value > max(cap, current):
-        reasons.append(f"capped at {max(cap, current)}: only {cap} pods could be scheduled recently")
-        limits.append("Unschedulable")
+        limit("Unschedulable", f"capped at {max(cap, current)}: only {cap} pods could be scheduled recently")
         value = max(cap, current)
 
     new_state = PoolState(
@@ -375,7 +380,8 @@ def decide_pool(pool: str, policy: PoolPolicy, obs: PoolObservation, state: Pool
         capacity_cap_until=cap_until,
         slo_guard_latency=guard_latency,
     )
-    return PoolDecision(pool, current, value, rec, obs.signal, tuple(reasons), tuple(limits), False, new_state)
+    return PoolDecision(pool, current, value, rec, obs.signal, tuple(reasons), tuple(c for c, _ in limits),
+                        False, new_state, tuple(msg for _, msg in limits))
 
 
 def _upper(policy: PoolPolicy, decision: PoolDecision) -> int:
@@ -413,13 +419,15 @@ def enforce_ratio(band: RatioBand, prefill: PoolDecision, decode: PoolDecision,
     violated = (lo is not None and p < lo * d - _EPS) or (hi is not None and p > hi * d + _EPS)
     out = []
     for dec, value in ((prefill, p), (decode, d)):
-        reasons, limits = list(dec.reasons) + notes[dec.pool], list(dec.limits)
+        reasons, limits, limit_notes = list(dec.reasons) + notes[dec.pool], list(dec.limits), list(dec.limit_notes)
         if violated:
-            reasons.append(f"P:D ratio band {band.describe()} cannot be met within the pools' "
-                           f"min/max and capacity ({p}:{d})")
+            msg = (f"P:D ratio band {band.describe()} cannot be met within the pools' "
+                   f"min/max and capacity ({p}:{d})")
+            reasons.append(msg)
             limits.append("RatioBand")
+            limit_notes.append(msg)
         out.append(replace(dec, desired=value, reasons=tuple(dict.fromkeys(reasons)),
-                           limits=tuple(dict.fromkeys(limits))))
+                           limits=tuple(limits), limit_notes=tuple(limit_notes)))
     return out[0], out[1]
 
 

@@ -47,13 +47,14 @@ def child_name(owner: Owner, component: Component) -> str:
     return f"{owner.name}-{component}"
 
 
+def instance_labels(owner: Owner) -> dict[str, str]:
+    """Selects every child of one resource (pods included)."""
+    return {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": owner.name}
+
+
 def selector_labels(owner: Owner, component: Component) -> dict[str, str]:
     """The immutable subset used in Deployment and Service selectors."""
-    return {
-        "app.kubernetes.io/name": "tandem",
-        "app.kubernetes.io/instance": owner.name,
-        "app.kubernetes.io/component": component,
-    }
+    return {**instance_labels(owner), "app.kubernetes.io/component": component}
 
 
 def labels(owner: Owner, component: Component) -> dict[str, str]:
@@ -70,9 +71,10 @@ def _metadata(owner: Owner, name: str, component: Component, extra_labels: Mappi
         "name": name,
         "namespace": owner.namespace,
         "labels": {**labels(owner, component), **extra_labels},
+        # No blockOwnerDeletion: where OwnerReferencesPermissionEnforcement is on, setting it needs
+        # update on disaggregatedmodels/finalizers, and foreground deletion of a model is not worth that.
         "ownerReferences": [{
-            "apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid,
-            "controller": True, "blockOwnerDeletion": True,
+            "apiVersion": API_VERSION, "kind": KIND, "name": owner.name, "uid": owner.uid, "controller": True,
         }],
     }
 

@@ -144,9 +144,14 @@ def compute_conditions(observations: Sequence[PoolObservation], problems: Proble
 
 def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[ConditionValue], now: str,
                      generation: int) -> list[dict[str, Any]]:
-    """New conditions as status entries, keeping lastTransitionTime where the status did not change."""
+    """New conditions as status entries, keeping lastTransitionTime where the status did not change.
+
+    Conditions of other types (the autoscaler's ScalingLimited, say) are kept as they are: a status
+    merge patch replaces the whole list, so dropping them here would erase them.
+    """
     previous = {c.get("type"): c for c in old}
-    merged = []
+    ours = {cond.type for cond in new}
+    merged: list[dict[str, Any]] = []
     for cond in new:
         before = previous.get(cond.type)
         unchanged = before is not None and before.get("status") == cond.status and before.get("lastTransitionTime")
@@ -158,6 +163,7 @@ def merge_conditions(old: Sequence[Mapping[str, Any]], new: Sequence[ConditionVa
             "lastTransitionTime": before["lastTransitionTime"] if unchanged and before else now,
             "observedGeneration": generation,
         })
+    merged.extend(dict(c) for c in old if c.get("type") not in ours)
     return merged
 
 

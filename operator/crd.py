@@ -74,7 +74,9 @@ def _structural(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
             # do: the API server checks a default against the CEL rules before defaulting inside it.)
             if child.get("type") == "object" and "properties" in child and not child.get("required") \
                     and name not in required and "default" not in child:
-                child["default"] = {key: sub["default"] for key, sub in child["properties"].items() if "default" in sub}
+                nested = {key: sub["default"] for key, sub in child["properties"].items() if "default" in sub}
+                if nested:
+                    child["default"] = nested
             props[name] = child
         out["type"] = "object"
         out["properties"] = props

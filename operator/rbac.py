@@ -1,7 +1,12 @@
 """Exactly what the operator may do in the Kubernetes API, as ClusterRole rules.
 
-docs/operator.md lists the same rules (a unit test keeps the two in step) for the Helm chart's
-RBAC, and an integration test runs the operator under a ServiceAccount bound to nothing but these.
+docs/operator.md lists the same rules (a unit test keeps the two in step); the Helm chart's RBAC
+is generated from them; integration tests run the operator under a ServiceAccount bound to
+nothing but these, and check that removing any one rule breaks something.
+
+Not needed, so not here: namespaces (kopf watches them only for glob patterns in --namespace;
+add get/list/watch on namespaces if you use globs), events.k8s.io (kopf posts core/v1 Events),
+disaggregatedmodels/finalizers (children's owner references do not set blockOwnerDeletion).
 """
 
 from __future__ import annotations
@@ -11,27 +16,25 @@ from typing import Any
 from tandem.operator import api
 
 READ = ["get", "list", "watch"]
-WRITE = ["get", "list", "watch", "create", "update", "patch"]
+APPLY = ["create", "patch"]  # server-side apply is a PATCH; one that creates the object also needs create
 
 # (apiGroup, resources, verbs, why)
 RULES: tuple[tuple[str, tuple[str, ...], list[str], str], ...] = (
-    (api.GROUP, (api.PLURAL,), ["get", "list", "watch", "patch", "update"],
-     "watch the resources; kopf writes its finalizer and annotations (tandem.dev/...)"),
-    (api.GROUP, (f"{api.PLURAL}/status",), ["get", "patch", "update"], "write status"),
-    (api.GROUP, (f"{api.PLURAL}/finalizers",), ["update"],
-     "owner references with blockOwnerDeletion (OwnerReferencesPermissionEnforcement)"),
-    ("apps", ("deployments",), WRITE, "prefill, decode and router Deployments (server-side apply)"),
-    ("", ("services", "serviceaccounts"), WRITE, "worker and router Services; the router's ServiceAccount"),
-    ("policy", ("poddisruptionbudgets",), WRITE, "one PodDisruptionBudget per pool"),
-    ("rbac.authorization.k8s.io", ("roles", "rolebindings"), WRITE,
+    (api.GROUP, (api.PLURAL,), ["get", "list", "watch", "patch"],
+     "read and watch the resources; kopf patches in its finalizer and annotations (tandem.dev/...)"),
+    (api.GROUP, (f"{api.PLURAL}/status",), ["patch"], "write status (merge patch)"),
+    ("apps", ("deployments",), ["list", "watch", *APPLY],
+     "apply the pools' and router's Deployments; watch them to revert edits and follow readiness"),
+    ("", ("services", "serviceaccounts"), APPLY, "worker and router Services; the router's ServiceAccount"),
+    ("policy", ("poddisruptionbudgets",), APPLY, "one PodDisruptionBudget per pool"),
+    ("rbac.authorization.k8s.io", ("roles", "rolebindings"), APPLY,
      "the router's Role and RoleBinding (endpoint discovery)"),
-    ("", ("podsX",), READ, "find unschedulable worker pods (Degraded condition); granted to the router"),
+    ("", ("pods",), READ, "watch for unschedulable worker pods (Degraded); also granted to the router"),
     ("", ("endpoints",), READ, "granted to the router (a Role may only grant what its writer holds)"),
     ("discovery.k8s.io", ("endpointslices",), READ, "granted to the router"),
-    ("", ("events",), ["create", "patch"], "Events on DisaggregatedModels"),
-    ("events.k8s.io", ("events",), ["create", "patch"], "Events on DisaggregatedModels"),
-    ("apiextensions.k8s.io", ("customresourcedefinitions",), READ, "kopf notices the CRD being (re)installed"),
-    ("", ("namespaces",), READ, "kopf follows namespaces when it watches all or several"),
+    ("", ("events",), ["create"], "Events on DisaggregatedModels (kopf posts core/v1 Events)"),
+    ("apiextensions.k8s.io", ("customresourcedefinitions",), ["list", "watch"],
+     "kopf notices the CRD being (re)installed"),
 )
 
 
@@ -48,5 +51,6 @@ def cluster_role(name: str = "tandem-operator") -> dict[str, Any]:
 def markdown_table() -> str:
     rows = ["| API group | Resources | Verbs | Why |", "|---|---|---|---|"]
     for group, resources, verbs, why in RULES:
-        rows.append(f"| `{group or 'core'}` | {', '.join(f'`{r}`' for r in resources)} | {', '.join(verbs)} | {why} |")
+        group_cell = f"`{group}`" if group else '`""` (core)'
+        rows.append(f"| {group_cell} | {', '.join(f'`{r}`' for r in resources)} | {', '.join(verbs)} | {why} |")
     return "\n".join(rows)

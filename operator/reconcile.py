@@ -95,38 +95,37 @@ def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome
         return _reconcile_locked(kube, body, lambda *event: emit(body, *event))
 
 
-def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, str, str], None]) -> Outcome:
-    meta = body["metadata"]
-    owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
-    generation = int(meta.get("generation", 0))
-    old_status: Mapping[str, Any] = body.get("status") or {}
-    outcome = Outcome()
-    spec, outcome.invalid_spec = parse_spec(body)
+def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
+                    layout_hash: str, outcome: Outcome, emit: Callable[[str, str, str], None]) -> None:
+    before = {d["metadata"]["name"]: d for d in
+              kube.list("apps/v1", "Deployment", owner.namespace, builders.instance_labels(owner))}
+    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash):
+        label = f"{child['kind']} {child['metadata']['name']}"
+        try:
+            kube.apply(child)
+            outcome.applied.append(label)
+        except KubeError as exc:
+            if exc.status == 0:
+                raise  # the API server is unreachable: let the handler retry, status cannot be written either
+            outcome.apply_error = f"{label}: {exc}"
+            break
+    for event in _scale_events(before, owner, desired):
+        emit(*event)
 
-    selector = builders.selector_labels(owner, "")
-    selector.pop("app.kubernetes.io/component")
-    desired: dict[str, int] = {}
-    if spec is not None:
-        layout_hash = spec_layout_hash(spec)
-        desired = {pool: desired_replicas(spec, old_status, pool) for pool in POOLS}
-        desired["router"] = spec.router.replicas
-        before = {d["metadata"]["name"]: d for d in kube.list("apps/v1", "Deployment", owner.namespace, selector)}
-        for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash):
-            label = f"{child['kind']} {child['metadata']['name']}"
-            try:
-                kube.apply(child)
-                outcome.applied.append(label)
-            except KubeError as exc:
-                if exc.status == 0:
-                    raise  # the API server is unreachable: let the handler retry, status cannot be written either
-                outcome.apply_error = f"{label}: {exc}"
-                break
-        for event in _scale_events(before, owner, desired):
-            emit(*event)
 
-    deployments = {d["metadata"]["name"]: d for d in kube.list("apps/v1", "Deployment", owner.namespace, selector)}
-    unschedulable = _unschedulable_by_component(kube.list("v1", "Pod", owner.namespace, selector))
-    observations = [
+def _observe(kube: Kube, owner: builders.Owner, desired: Mapping[str, int],
+             outcome: Outcome) -> list[conditions.PoolObservation]:
+    selector = builders.instance_labels(owner)
+    try:
+        deployments = {d["metadata"]["name"]: d for d in kube.list("apps/v1", "Deployment", owner.namespace, selector)}
+        unschedulable = _unschedulable_by_component(kube.list("v1", "Pod", owner.namespace, selector))
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        # Say so in the status (e.g. missing RBAC) rather than only in the operator's log.
+        outcome.apply_error = outcome.apply_error or f"reading the children: {exc}"
+        deployments, unschedulable = {}, {}
+    return [
         conditions.PoolObservation(
             component=component,
             desired=desired.get(component, 0),
@@ -135,6 +134,24 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         )
         for component in conditions.COMPONENTS
     ]
+
+
+def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, str, str], None]) -> Outcome:
+    meta = body["metadata"]
+    owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
+    generation = int(meta.get("generation", 0))
+    old_status: Mapping[str, Any] = body.get("status") or {}
+    outcome = Outcome()
+    spec, outcome.invalid_spec = parse_spec(body)
+
+    desired: dict[str, int] = {}
+    if spec is not None:
+        layout_hash = spec_layout_hash(spec)
+        desired = {pool: desired_replicas(spec, old_status, pool) for pool in POOLS}
+        desired["router"] = spec.router.replicas
+        _apply_children(kube, owner, spec, desired, layout_hash, outcome, emit)
+
+    observations = _observe(kube, owner, desired, outcome)
     problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error)
     new_conditions = conditions.merge_conditions(
         old_status.get("conditions") or [], conditions.compute_conditions(observations, problems),

@@ -36,8 +36,9 @@ class Selector:
     """Which series belong to one pool of one resource.
 
     In Kubernetes the scrape adds `namespace`; the workers carry `model`, `role` and `pool`.
-    `pool` is the worker's --pool value; the latency histograms are matched on namespace and
-    model only, since they may be observed by the router rather than the pool's workers.
+    `pool` is the worker's --pool value. The latency histograms are matched on namespace, model
+    and the engine roles that measure them (TTFT: prefill|both, ITL: decode|both, as the SLO
+    alerts do), not on pool: a decode worker's fallback prefill must not count as prefill TTFT.
     """
 
     namespace: str
@@ -49,11 +50,13 @@ class Selector:
             if not getattr(self, name):
                 raise SignalsError(f"selector {name} is empty: the query would match every {name}")
 
-    def matchers(self, *, with_pool: bool = True) -> str:
-        pairs = [(m.LABEL_NAMESPACE, self.namespace), (m.LABEL_MODEL, self.model)]
+    def matchers(self, *, with_pool: bool = True, role_regex: str | None = None) -> str:
+        parts = [f'{m.LABEL_NAMESPACE}="{_escape(self.namespace)}"', f'{m.LABEL_MODEL}="{_escape(self.model)}"']
         if with_pool:
-            pairs.append((m.LABEL_POOL, self.pool))
-        return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
+            parts.append(f'{m.LABEL_POOL}="{_escape(self.pool)}"')
+        if role_regex is not None:
+            parts.append(f'{m.LABEL_ROLE}=~"{_escape(role_regex)}"')
+        return "{" + ",".join(parts) + "}"
 
 
 def _escape(value: str) -> str:
@@ -81,11 +84,16 @@ def per_ready_replica(metric: m.MetricDef, sel: Selector) -> str:
     return f"sum({m.exposed_name(metric)}{sel.matchers()}) / sum({ready}{sel.matchers()})"
 
 
-def latency_quantile(metric: m.MetricDef, sel: Selector, settings: QuerySettings) -> str:
+# Which engine roles measure each latency (the same split as the SLO alerts).
+TTFT_ROLES = "prefill|both"
+ITL_ROLES = "decode|both"
+
+
+def latency_quantile(metric: m.MetricDef, sel: Selector, settings: QuerySettings, role_regex: str) -> str:
     """histogram_quantile over the rate of the histogram's buckets, summed by `le`."""
     if metric.kind != "histogram":
         raise SignalsError(f"{metric.name} is a {metric.kind}, not a histogram")
-    buckets = f"{metric.name}_bucket{sel.matchers(with_pool=False)}"
+    buckets = f"{metric.name}_bucket{sel.matchers(with_pool=False, role_regex=role_regex)}"
     return (f"histogram_quantile({settings.quantile:g}, "
             f"sum by (le) (rate({buckets}[{settings.rate_window}])))")
 
@@ -96,12 +104,12 @@ def pool_queries(pool: str, sel: Selector, settings: QuerySettings = QuerySettin
         return {
             QUEUE_REQUESTS: per_ready_replica(m.PREFILL_QUEUE_REQUESTS, sel),
             QUEUE_TOKENS: per_ready_replica(m.PREFILL_QUEUE_TOKENS, sel),
-            LATENCY_P: latency_quantile(m.TTFT, sel, settings),
+            LATENCY_P: latency_quantile(m.TTFT, sel, settings, TTFT_ROLES),
         }
     if pool == DECODE:
         return {
             KV_USAGE: per_ready_replica(m.KV_USAGE_RATIO, sel),
-            LATENCY_P: latency_quantile(m.ITL, sel, settings),
+            LATENCY_P: latency_quantile(m.ITL, sel, settings, ITL_ROLES),
         }
     raise SignalsError(f"unknown pool {pool!r}: expected {PREFILL!r} or {DECODE!r}")
 

@@ -23,7 +23,7 @@ def test_prefill_queries_use_the_shared_metric_names_and_all_three_labels() -> N
                                    f"sum({m.WORKER_READY.name}{labels})")
     assert q[s.QUEUE_TOKENS].startswith(f"sum({m.PREFILL_QUEUE_TOKENS.name}{labels})")
     assert q[s.LATENCY_P] == (f'histogram_quantile(0.9, sum by (le) (rate({m.TTFT.name}_bucket'
-                              '{namespace="team-a",model="llama-8b"}[1m])))')
+                              '{namespace="team-a",model="llama-8b",role=~"prefill|both"}[1m])))')
 
 
 def test_decode_queries_use_kv_usage_and_itl() -> None:
@@ -32,7 +32,7 @@ def test_decode_queries_use_kv_usage_and_itl() -> None:
     assert set(q) == {s.KV_USAGE, s.LATENCY_P}
     assert q[s.KV_USAGE].startswith(f'sum({m.KV_USAGE_RATIO.name}{{namespace="team-a"')
     assert q[s.LATENCY_P].startswith(f"histogram_quantile(0.99, sum by (le) (rate({m.ITL.name}_bucket")
-    assert q[s.LATENCY_P].endswith("[2m])))")
+    assert q[s.LATENCY_P].endswith('role=~"decode|both"}[2m])))')
 
 
 def test_label_values_are_escaped() -> None:
@@ -47,7 +47,7 @@ def test_label_values_are_escaped() -> None:
     (lambda: s.QuerySettings(quantile=1.0), "quantile"),
     (lambda: s.QuerySettings(rate_window="1 minute"), "rate window"),
     (lambda: s.per_ready_replica(m.TTFT, SEL), "not a gauge"),
-    (lambda: s.latency_quantile(m.KV_USAGE_RATIO, SEL, s.QuerySettings()), "not a histogram"),
+    (lambda: s.latency_quantile(m.KV_USAGE_RATIO, SEL, s.QuerySettings(), "decode"), "not a histogram"),
 ])
 def test_bad_inputs_fail_with_a_clear_message(build: Any, message: str) -> None:
     with pytest.raises(s.SignalsError, match=message):

@@ -14,7 +14,8 @@ DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "tandem" / "dashbo
 
 
 def load(uid: str) -> dict[str, Any]:
-    return json.loads((DASHBOARDS / f"{uid}.json").read_text())
+    board: dict[str, Any] = json.loads((DASHBOARDS / f"{uid}.json").read_text())
+    return board
 
 
 def panels(board: dict[str, Any]) -> list[dict[str, Any]]:

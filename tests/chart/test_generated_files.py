@@ -5,6 +5,7 @@ from __future__ import annotations
 import gen_alerts
 import gen_dashboards
 import sync_chart_crds
+import sync_chart_rbac
 
 
 def test_committed_dashboards_are_fresh() -> None:
@@ -23,7 +24,12 @@ def test_chart_crds_are_identical_to_repo_crds() -> None:
     assert not problems, f"{problems}: run python hack/sync_chart_crds.py"
 
 
+def test_chart_rbac_rules_are_the_operators() -> None:
+    assert not sync_chart_rbac.is_stale(), "run python hack/sync_chart_rbac.py"
+
+
 def test_check_modes_exit_zero_when_fresh() -> None:
     assert gen_dashboards.main(["--check"]) == 0
     assert gen_alerts.main(["--check"]) == 0
     assert sync_chart_crds.main(["--check"]) == 0
+    assert sync_chart_rbac.main(["--check"]) == 0

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_helpers import CHART, KUBE_VERSION, REPO, Manifest, by_kind, helm_binary, promtool_binary, run
-from tandem.operator import builders
+from tandem.operator import builders, rbac
 
 Render = Callable[..., list[Manifest]]
 MONITORING = ("prometheusRule.enabled=true", "metrics.serviceMonitor.enabled=true",
@@ -61,16 +61,21 @@ def test_operator_pod_runs_non_root_read_only_with_probes_and_metrics_port(rende
     assert pod["serviceAccountName"] == by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
 
 
-def test_rules_are_one_resource_each_and_never_wildcards(render: Render) -> None:
+def test_cluster_role_is_exactly_the_operators_own_rule_list(render: Render) -> None:
     (role,) = by_kind(render(), "ClusterRole")
-    keys = set()
+    assert role["rules"] == rbac.cluster_role_rules()
     for rule in role["rules"]:
-        assert len(rule["apiGroups"]) == 1 and len(rule["resources"]) == 1, rule
         assert "*" not in rule["verbs"] + rule["resources"] + rule["apiGroups"], rule
-        keys.add((rule["apiGroups"][0], rule["resources"][0]))
-    assert len(keys) == len(role["rules"]), "a resource appears in two rules"
-    assert ("tandem.dev", "disaggregatedmodels/status") in keys
+    keys = {(g, r) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]}
     assert ("", "secrets") not in keys and ("", "nodes") not in keys
+
+
+def test_extra_rules_are_appended(render: Render) -> None:
+    extra = ("rbac.extraRules[0].apiGroups[0]=example.com", "rbac.extraRules[0].resources[0]=widgets",
+             "rbac.extraRules[0].verbs[0]=get")
+    (role,) = by_kind(render(*extra), "ClusterRole")
+    assert role["rules"] == [*rbac.cluster_role_rules(),
+                             {"apiGroups": ["example.com"], "resources": ["widgets"], "verbs": ["get"]}]
 
 
 def test_operator_may_grant_exactly_what_the_router_role_it_creates_needs(render: Render) -> None:
@@ -90,8 +95,11 @@ def test_namespace_scoped_mode_uses_roles_in_each_namespace_only(render: Render)
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
     roles = by_kind(docs, "Role")
     assert sorted(r["metadata"]["namespace"] for r in roles) == ["team-a", "team-b"]
-    (cluster_role,) = by_kind(render(), "ClusterRole")
-    assert all(r["rules"] == cluster_role["rules"] for r in roles)
+    # The same rules minus those on cluster-scoped resources, which a Role cannot grant.
+    expected = [r for r in rbac.cluster_role_rules()
+                if not {"customresourcedefinitions", "namespaces"} & set(r["resources"])]
+    assert len(expected) == len(rbac.cluster_role_rules()) - 2
+    assert all(r["rules"] == expected for r in roles)
     for binding in by_kind(docs, "RoleBinding"):
         assert binding["roleRef"]["kind"] == "Role"
         assert binding["subjects"][0]["namespace"] == "tandem-system"

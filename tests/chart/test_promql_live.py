@@ -3,9 +3,10 @@ Prometheus scraping real `tandem worker` and `tandem router` processes.
 
 The processes are started as the operator starts them in pods (one prefill pool, one decode
 pool, a router), on 127.0.0.1 with a tiny random model. Prometheus adds the target labels the
-chart's PodMonitor would (`namespace`, `tandem_dev_model`). One of the two prefill workers drops
-its KV transfers on purpose (the worker's `--fault drop-kv` test hook), so the failure and
-fallback series exist too. Expressions that read the operator's series run in the control-plane
+chart's PodMonitor would (`namespace`, `tandem_dev_model`). So that the failure and fallback
+series exist too, a second router sends one request to a decode worker that advertises a KV
+address nothing listens on (127.0.0.2): the prefill worker's connection fails for real, and
+decode prefills locally. Expressions that read the operator's series run in the control-plane
 test instead; this test only counts them.
 """
 
@@ -82,28 +83,32 @@ class Processes:
 
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[dict[str, str]]:
-    """prefill (healthy), prefill (drops KV), decode and router; name -> host:port."""
+    """Worker and router processes; name -> host:port."""
     from tandem.worker.model.tiny import write_tiny_model
 
     model = write_tiny_model(tmp_path / "model")
     procs = Processes(tmp_path)
-    ports = {name: free_port() for name in ("prefill", "prefill-faulty", "decode", "router")}
+    names = ("prefill", "decode", "decode-unreachable", "router", "router-failing")
+    ports = {name: free_port() for name in names}
+    url = {name: f"http://127.0.0.1:{port}" for name, port in ports.items()}
     common = ["--model", str(model), "--model-name", MODEL, "--host", "127.0.0.1", "--transport", "tcp",
               "--kv-cache-bytes", str(8 << 20)]
     try:
-        procs.start("decode", "worker", "--role", "decode", "--pool", "decode", "--port", str(ports["decode"]),
-                    "--kv-port", str(free_port()), *common)
         procs.start("prefill", "worker", "--role", "prefill", "--pool", "prefill",
                     "--port", str(ports["prefill"]), "--kv-port", str(free_port()), *common)
-        procs.start("prefill-faulty", "worker", "--role", "prefill", "--pool", "prefill", "--fault", "drop-kv",
-                    "--port", str(ports["prefill-faulty"]), "--kv-port", str(free_port()), *common)
-        for name in ("decode", "prefill", "prefill-faulty"):
-            procs.wait_ready(name, f"http://127.0.0.1:{ports[name]}")
+        procs.start("decode", "worker", "--role", "decode", "--pool", "decode", "--port", str(ports["decode"]),
+                    "--kv-port", str(free_port()), *common)
+        procs.start("decode-unreachable", "worker", "--role", "decode", "--pool", "decode",
+                    "--port", str(ports["decode-unreachable"]), "--kv-port", str(free_port()),
+                    "--kv-host", "127.0.0.2", *common)
+        for name in ("prefill", "decode", "decode-unreachable"):
+            procs.wait_ready(name, url[name])
         procs.start("router", "router", "--host", "127.0.0.1", "--port", str(ports["router"]),
-                    "--model-name", MODEL, "--prefill", f"http://127.0.0.1:{ports['prefill']}",
-                    "--prefill", f"http://127.0.0.1:{ports['prefill-faulty']}",
-                    "--decode", f"http://127.0.0.1:{ports['decode']}")
-        procs.wait_ready("router", f"http://127.0.0.1:{ports['router']}")
+                    "--model-name", MODEL, "--prefill", url["prefill"], "--decode", url["decode"])
+        procs.start("router-failing", "router", "--host", "127.0.0.1", "--port", str(ports["router-failing"]),
+                    "--model-name", MODEL, "--prefill", url["prefill"], "--decode", url["decode-unreachable"])
+        for name in ("router", "router-failing"):
+            procs.wait_ready(name, url[name])
         yield {name: f"127.0.0.1:{port}" for name, port in ports.items()}
     finally:
         procs.stop()
@@ -134,8 +139,10 @@ def test_every_worker_expression_returns_data(stack: dict[str, str], prometheus:
     prom = prometheus(list(stack.values()), extra_labels={"namespace": NAMESPACE, "tandem_dev_model": RESOURCE})
     prom.wait_for_targets_up()
     drive_traffic(stack["router"])
+    drive_traffic(stack["router-failing"], requests=1)  # waits out the 5 s KV connect timeout once
     # Everything the traffic produced must have been scraped, failures included.
-    wait_for(prom.query, 'sum(tandem_requests_total{pool="router"}) >= 16')
+    wait_for(prom.query, 'sum(tandem_requests_total{pool="router"}) >= 17')
+    wait_for(prom.query, "tandem_fallback_prefills_total")
     wait_for(prom.query, "tandem_kv_transfer_failures_total")
     time.sleep(2.5)  # two more scrapes, so rate() sees the final counts
 

@@ -153,6 +153,19 @@ def test_decode_reservations(tiny_model_dir: Path) -> None:
     assert decode.stats().num_free_blocks == decode.stats().num_total_blocks
 
 
+def test_held_blocks_that_starve_the_queue_raise_instead_of_hanging(tiny_model_dir: Path) -> None:
+    probe = _engine(tiny_model_dir)
+    prefill = _engine(tiny_model_dir, role="prefill", kv_cache_bytes=4 * probe.kv_layout.bytes_per_block)
+    first, second = random_prompts((40, 40), seed=26)
+    prefill.add_request("held", first, GREEDY)
+    assert [o.finish_reason for o in prefill.iter_outputs()] == ["prefilled"]  # 3 of 4 blocks now held
+    prefill.add_request("starved", second, GREEDY)
+    with pytest.raises(RuntimeError, match="3 are held for KV transfers"):
+        list(prefill.iter_outputs())
+    prefill.release_kv("held")
+    assert [o.finish_reason for o in prefill.iter_outputs()] == ["prefilled"]
+
+
 def test_decode_role_also_prefills_locally(tiny_model_dir: Path, engine: LLMEngine) -> None:
     decode = _engine(tiny_model_dir, role="decode")
     [prompt] = random_prompts((30,), seed=24)

@@ -53,7 +53,7 @@ def test_every_child_is_owned_labelled_and_namespaced() -> None:
         assert meta["namespace"] == "serving"
         assert meta["ownerReferences"] == [{
             "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "name": "tiny", "uid": "uid-1",
-            "controller": True, "blockOwnerDeletion": True}]
+            "controller": True}]
         labels = meta["labels"]
         assert labels["app.kubernetes.io/name"] == "tandem"
         assert labels["app.kubernetes.io/instance"] == "tiny"

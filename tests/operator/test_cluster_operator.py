@@ -58,6 +58,10 @@ def test_minimal_sample_becomes_ready_with_its_children(testbed: Bed,
     dm = wait_ready(testbed, "tiny")
     ns = testbed.namespace
 
+    assert dm["metadata"]["finalizers"] == ["tandem.dev/finalizer"]
+    kopf_keys = [k for k in dm["metadata"].get("annotations", {}) if "kopf" in k or k.endswith("last-handled-configuration")]
+    assert kopf_keys and all(k.startswith("tandem.dev/") for k in kopf_keys), kopf_keys
+
     status = dm["status"]
     for pool in ("prefill", "decode", "router"):
         assert (status[pool]["readyReplicas"], status[pool]["desiredReplicas"], status[pool]["summary"]) == (1, 1, "1/1")
@@ -270,3 +274,28 @@ def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Call
         testbed.kubectl("delete", "clusterrolebinding", role, "--wait=false", check=False)
         testbed.kubectl("delete", "clusterrole", role, "--wait=false", check=False)
         testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+def test_autoscaled_pool_follows_status_desired_replicas(testbed: Bed, cleanup: list[str],
+                                                        sample: Callable[[str], dict[str, Any]]) -> None:
+    """The autoscaler's write path: status.<pool>.desiredReplicas, clamped to the pool's bounds."""
+    cleanup.append("scaled")
+    testbed.apply(resource(sample, "scaled", decode={
+        "replicas": 1, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}))
+    wait_ready(testbed, "scaled")
+
+    def set_desired(n: int) -> None:
+        testbed.kubectl("patch", "dm", "scaled", "-n", testbed.namespace, "--subresource=status", "--type=merge",
+                        "-p", json.dumps({"status": {"decode": {"desiredReplicas": n}}}))
+
+    def decode_replicas() -> int:
+        return int(testbed.get("deployment", "scaled-decode")["spec"]["replicas"])
+
+    set_desired(3)
+    testbed.wait_for("scaled-decode to follow desiredReplicas=3", lambda: decode_replicas() == 3 or None, timeout=30)
+    dm = testbed.wait_for("decode 3/3", lambda: d if (d := testbed.get("dm", "scaled"))["status"]["decode"].get(
+        "summary") == "3/3" else None, timeout=30)
+    assert dm["status"]["decode"]["desiredReplicas"] == 3  # the operator left the autoscaler's value alone
+
+    set_desired(9)  # above maxReplicas
+    testbed.wait_for("scaled-decode to be clamped to maxReplicas=4", lambda: decode_replicas() == 4 or None, timeout=30)

@@ -110,3 +110,12 @@ def test_events_only_for_transitions() -> None:
     assert transitions(ready, ready) == []
     assert [e[:2] for e in transitions(ready, stuck)] == [("Warning", "NotReady"), ("Warning", "Unschedulable")]
     assert [e[:2] for e in transitions(stuck, ready)] == [("Normal", "Ready"), ("Normal", "Recovered")]
+
+
+def test_other_writers_conditions_are_kept() -> None:
+    scaling = {"type": "ScalingLimited", "status": "True", "reason": "AtMax", "message": "decode at maxReplicas",
+               "lastTransitionTime": "t0", "observedGeneration": 1}
+    ready = observe(deployment(1, 1), deployment(1, 1), deployment(1, 1))
+    merged = merge_conditions([scaling], compute_conditions(ready, Problems()), "t1", 1)
+    assert [c["type"] for c in merged] == ["Ready", "Progressing", "Degraded", "ScalingLimited"]
+    assert merged[-1] == scaling

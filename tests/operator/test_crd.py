@@ -106,3 +106,10 @@ def test_committed_samples_are_valid_against_the_models() -> None:
         resource = yaml.safe_load((REPO / "crds" / "samples" / f"{sample}.yaml").read_text())
         assert resource["apiVersion"] == "tandem.dev/v1alpha1" and resource["kind"] == "DisaggregatedModel"
         DisaggregatedModelSpec.model_validate(resource["spec"])
+
+
+def test_operator_docs_list_exactly_the_rbac_rules() -> None:
+    from tandem.operator.rbac import markdown_table
+
+    assert markdown_table() in (REPO / "docs" / "operator.md").read_text(), \
+        "docs/operator.md's RBAC table differs from tandem.operator.rbac.RULES"

@@ -7,6 +7,7 @@ stacks are shared by every test that leaves them intact; tests that kill workers
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -51,10 +52,8 @@ class Stack:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(10)
         for p in self.state.get("processes", []):  # never leave a worker behind, whatever happened
-            try:
+            with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(p["pid"], signal.SIGKILL)
-            except (ProcessLookupError, TypeError):
-                pass
         return int(self.popen.returncode)
 
 

@@ -11,6 +11,7 @@ import signal
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -72,7 +73,7 @@ def test_sigterm_to_a_prefill_worker_under_load_fails_no_request(stack: Stack) -
         results = [f.result() for f in futures]  # raises if any request failed
     assert results == [8] * len(prompts)
     assert pid_exited(victim["pid"], 30), "the drained prefill worker should exit on its own"
-    log = open(victim["log_path"]).read()
+    log = Path(victim["log_path"]).read_text()
     assert "draining" in log and "drained" in log and "drain timeout" not in log
 
 

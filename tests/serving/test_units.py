@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tandem.worker.bench.client import RequestResult
 from tandem.worker.bench.stats import percentile, summarize
 from tandem.worker.bench.workload import (
@@ -192,7 +192,7 @@ def test_both_real_traces_load() -> None:
     azure = load_trace(resolve_trace("azure-code"), 50, offset=10)
     for rows in (moon, azure):
         assert len(rows) == 50 and rows[0].arrival == 0.0
-        assert all(b.arrival >= a.arrival for a, b in zip(rows, rows[1:], strict=False))
+        assert all(b.arrival >= a.arrival for a, b in itertools.pairwise(rows))
     assert moon[0].hash_ids and not azure[0].hash_ids
 
 

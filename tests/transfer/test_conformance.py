@@ -11,12 +11,16 @@ import time
 
 import pytest
 import torch
-
 from tandem.worker import metrics as m
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.transfer import TransferError
+from tandem.worker.transfer import TransferError, make_receiver, make_sender
 from tandem.worker.transfer.conformance import (
-    TINY_LAYOUT, DoneWaiter, RawTcpPeer, spawn_receiver, spawn_sender, transport_pair,
+    TINY_LAYOUT,
+    DoneWaiter,
+    RawTcpPeer,
+    spawn_receiver,
+    spawn_sender,
+    transport_pair,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -142,11 +146,11 @@ def test_corrupt_frame_is_rejected_and_never_written(transport: str) -> None:
         pair.receiver.expect("req-bad", dst_ids, 10.0, done)
         peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
         try:
-            payload = torch.ones(len(dst_ids) * TINY_LAYOUT.bytes_per_block_layer_kv // 4).numpy().tobytes()
+            payload = b"\x01" * (len(dst_ids) * TINY_LAYOUT.bytes_per_block_layer_kv)
             peer.send_frame("req-bad", 0, 0, dst_ids, payload, flip_byte=17)
             error = done.wait(5)
             assert error is not None and error.reason == "corrupt_frame"
-            kind, body = peer.recv(5)
+            _kind, body = peer.recv(5)
             assert b"corrupt_frame" in body
         finally:
             peer.close()
@@ -199,7 +203,6 @@ def test_sender_death_mid_transfer_frees_the_reservation(transport: str) -> None
 
 @pytest.mark.integration
 def test_receiver_death_mid_transfer_fails_the_sender(transport: str) -> None:
-    from tandem.worker.transfer import make_sender
     from tandem.worker.transfer.conformance import make_cache
     from tandem.worker.transfer.telemetry import TransferTelemetry
 
@@ -345,5 +348,6 @@ def test_bad_arguments_are_refused_at_once(transport: str) -> None:
             transfer.send_layer(0, [0, 1])
         transfer.abort("test is done")
     with pytest.raises(ValueError, match="shape"):
-        with transport_pair(transport, sender_layout=TINY_LAYOUT, dst_blocks=4) as pair:
-            pair.receiver.__class__(TINY_LAYOUT, torch.zeros(3, 2, 4, 4, 2, 4))  # type: ignore[call-arg]
+        make_receiver(transport, TINY_LAYOUT, torch.zeros(3, 2, 4, 4, 2, 4))
+    with pytest.raises(ValueError, match="dtype"):
+        make_sender(transport, TINY_LAYOUT, torch.zeros(3, 2, 4, 4, 2, 8, dtype=torch.float16))

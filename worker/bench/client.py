@@ -45,11 +45,11 @@ async def calibrate(client: httpx.AsyncClient, url: str, model: str, sample: str
     resp = await client.post(f"{url}/v1/completions", json={
         "model": model, "prompt": sample, "max_tokens": 1, "temperature": 0})
     resp.raise_for_status()
-    tokens = resp.json()["usage"]["prompt_tokens"]
+    tokens = int(resp.json()["usage"]["prompt_tokens"])
     return max(0.1, tokens / len(sample.split()))
 
 
-async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, prompt: str,
+async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, prompt: str | list[int],
                    timeout: float) -> RequestResult:
     body = {
         "model": model, "prompt": prompt, "max_tokens": spec.output_tokens, "stream": True,

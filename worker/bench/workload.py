@@ -145,7 +145,7 @@ def scale_trace(rows: list[TraceRow], *, rate: float | None, time_scale: float |
     return specs, TraceScaling(time_scale, length_scale, max_prompt_tokens, max_output_tokens, description)
 
 
-def words_for(tokens: int, tokens_per_word: float) -> int:
+def words_for(tokens: float, tokens_per_word: float) -> int:
     return max(1, round(tokens / tokens_per_word))
 
 

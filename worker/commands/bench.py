@@ -24,8 +24,9 @@ CALIBRATION_WORDS = 64
 @click.option("--url", required=True, help="Base URL of the server, e.g. http://127.0.0.1:8000 (no /v1).")
 @click.option("--model", default=None, help="Model name (default: the first one /v1/models lists).")
 @click.option("--num-requests", "-n", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@click.option("--rate", type=float, default=1.0, show_default=True,
-              help="Requests per second (0 = all at once). With --trace: the replay rate (default: keep the trace's).")
+@click.option("--rate", type=float, default=None,
+              help="Requests per second (0 = all at once; default 1). With --trace: the replay rate "
+                   "(default: the trace's own pacing, times --time-scale).")
 @click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(1), default=128, show_default=True,
               help="Synthetic prompt length; with --trace, the median prompt after length scaling.")
@@ -47,7 +48,7 @@ CALIBRATION_WORDS = 64
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the results as JSON here.")
-def command(url: str, model: str | None, num_requests: int, rate: float, arrival: str, prompt_tokens: int,
+def command(url: str, model: str | None, num_requests: int, rate: float | None, arrival: str, prompt_tokens: int,
             output_tokens: int, trace: str | None, trace_offset: int, time_scale: float | None,
             length_scale: float | None, max_prompt_tokens: int, max_output_tokens: int,
             slo_ttft: float | None, slo_itl: float | None, max_duration: float, request_timeout: float,
@@ -77,7 +78,7 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
     if o["trace"]:
         path = workload.resolve_trace(o["trace"])
         rows = workload.load_trace(path, o["num_requests"], o["trace_offset"])
-        rate = o["rate"] if o["rate"] > 0 and o["time_scale"] is None else None
+        rate = o["rate"] if o["rate"] and o["time_scale"] is None else None
         specs, scaling = workload.scale_trace(
             rows, rate=rate, time_scale=o["time_scale"], target_median_prompt=o["prompt_tokens"],
             length_scale=o["length_scale"], max_prompt_tokens=o["max_prompt_tokens"],
@@ -85,9 +86,10 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
         length_scale = scaling.length_scale
         notes.append(f"trace {path.name} rows {o['trace_offset']}..: {scaling.description}")
     else:
-        specs = workload.synthetic(o["num_requests"], o["rate"], o["arrival"], o["prompt_tokens"],
+        rate = 1.0 if o["rate"] is None else o["rate"]
+        specs = workload.synthetic(o["num_requests"], rate, o["arrival"], o["prompt_tokens"],
                                    o["output_tokens"], seed=o["seed"])
-        notes.append(f"synthetic: {o['arrival']} arrivals at {o['rate']} req/s, "
+        notes.append(f"synthetic: {o['arrival']} arrivals at {rate} req/s, "
                      f"{o['prompt_tokens']} prompt / {o['output_tokens']} output tokens (ignore_eos)")
     notes.append(f"prompts sized with {tokens_per_word:.2f} tokens/word measured on the server's tokenizer")
     prompts = [workload.prompt_text(s, i, tokens_per_word, length_scale=length_scale)

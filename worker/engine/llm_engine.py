@@ -35,6 +35,8 @@ LayerCallback = Callable[[int, list[LayerWrite]], None]
 
 
 class LLMEngine:
+    """Not thread-safe: call every method from one thread (the worker server's engine loop)."""
+
     def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None) -> None:
         self.config = cfg
         self.device = torch.device(cfg.device)
@@ -134,9 +136,19 @@ class LLMEngine:
         return outputs
 
     def iter_outputs(self) -> Iterator[RequestOutput]:
-        """Step until every request has finished, yielding outputs as they come."""
+        """Step until every request has finished, yielding outputs as they come.
+
+        Raises RuntimeError instead of spinning when waiting requests cannot be admitted because
+        blocks are held for KV transfers (release_kv) or reserved for them (cancel_reservation).
+        """
         while self.has_unfinished_requests():
-            yield from self.step()
+            outputs = self.step()
+            if not outputs and not self.scheduler.running and self.scheduler.waiting:
+                stats = self.stats()
+                raise RuntimeError(
+                    f"{stats.num_waiting} waiting requests cannot get KV blocks: {stats.num_held_blocks} are held "
+                    f"for KV transfers and {stats.num_reserved_blocks} reserved for incoming KV")
+            yield from outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Run prompts to completion (a convenience for scripts and tests); output token ids per prompt."""

@@ -32,15 +32,18 @@ class ModelRunner:
         for seq, n in decodes + prefills:
             start = seq.num_computed_tokens
             if n > 1:
+                mask = None
+                if start > 0:  # built once per step, shared by every layer
+                    mask = torch.ones(n, start + n, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 spans.append(PrefillSpan(len(input_ids), n, start + n,
-                                         torch.tensor(seq.block_table, dtype=torch.long, device=self.device)))
+                                         torch.tensor(seq.block_table, dtype=torch.long, device=self.device), mask))
             input_ids.extend(seq.token_ids[start:start + n])
             table = seq.block_table
             for pos in range(start, start + n):
                 positions.append(pos)
                 slots.append(table[pos // bs] * bs + pos % bs)
             last_index[id(seq)] = len(input_ids) - 1
-        decode_tables = decode_mask = None
+        decode_tables = decode_mask = context = None
         if decodes:
             width = max(len(s.block_table) for s, _ in decodes)
             decode_tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s, _ in decodes],
@@ -52,6 +55,7 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_block_tables=decode_tables,
             decode_mask=decode_mask,
+            decode_context_lens=context,
             prefills=spans,
         )
         rows = torch.tensor([last_index[id(s)] for s in sample], dtype=torch.long, device=self.device)

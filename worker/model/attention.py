@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import flash
+
 
 @dataclass
 class PrefillSpan:
@@ -20,6 +22,8 @@ class PrefillSpan:
     num_tokens: int  # tokens added by this chunk
     context_len: int  # tokens in the cache after this step (cached + chunk)
     block_table: torch.Tensor  # [num_blocks] long, on the device
+    mask: torch.Tensor | None = None  # [num_tokens, context_len] causal mask shifted by the cached context;
+    # None when the chunk is the whole context so far (plain causal attention)
 
 
 @dataclass
@@ -28,6 +32,7 @@ class AttentionMetadata:
     num_decode_tokens: int  # the first tokens of the batch, one per decoding sequence
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size]: True = attend
+    decode_context_lens: torch.Tensor | None  # [num_decodes] tokens in the cache, this step's included
     prefills: list[PrefillSpan]
 
 
@@ -50,14 +55,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     nd = meta.num_decode_tokens
     if nd:
         assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        keys, values = _gather(kv_cache, meta.decode_block_tables)  # each [nd, kv_heads, max_len, head_dim]
-        attn = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                              scale=scale, enable_gqa=True)
-        out[:nd] = attn.squeeze(2)
+        tables, mask = meta.decode_block_tables, meta.decode_mask
+
+        def torch_decode() -> torch.Tensor:
+            keys, values = _gather(kv_cache, tables)  # each [nd, kv_heads, max_len, head_dim]
+            attn = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=mask,
+                                                  scale=scale, enable_gqa=True)
+            return attn.squeeze(2)
+
+        if meta.decode_context_lens is not None and flash.usable(q, kv_cache.shape[2]):
+            out[:nd] = flash.decode(q[:nd], kv_cache, tables, meta.decode_context_lens, scale, torch_decode)
+        else:
+            out[:nd] = torch_decode()
     for span in meta.prefills:
         rows = slice(span.start, span.start + span.num_tokens)
         query = q[rows].transpose(0, 1).unsqueeze(0)
-        if span.context_len == span.num_tokens:  # nothing cached before: attend to this chunk only
+        if span.mask is None:  # nothing cached before: attend to this chunk only
             keys = k[rows].transpose(0, 1).unsqueeze(0)
             values = v[rows].transpose(0, 1).unsqueeze(0)
             attn = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale,
@@ -65,9 +78,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         else:
             keys, values = _gather(kv_cache, span.block_table[None])
             keys, values = keys[..., : span.context_len, :], values[..., : span.context_len, :]
-            mask = torch.ones(span.num_tokens, span.context_len, dtype=torch.bool, device=q.device).tril(
-                diagonal=span.context_len - span.num_tokens)
-            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+            attn = F.scaled_dot_product_attention(query, keys, values, attn_mask=span.mask, scale=scale,
                                                   enable_gqa=True)
         out[rows] = attn.squeeze(0).transpose(0, 1)
     return out

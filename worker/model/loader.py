@@ -46,7 +46,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     with torch.device("meta"):
         model = CausalLM(cfg)
     # Materialise empty parameters on the target device; every one is then filled from the checkpoint.
-    model = model.to_empty(device=device).to(torch_dtype)
+    model = model.to(torch_dtype).to_empty(device=device)  # dtype first: no float32 copy on the device
     # Buffers are not in checkpoints: compute the RoPE frequencies (in float32) on the device.
     model.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     params = dict(model.named_parameters())

@@ -217,7 +217,8 @@ class _Timer:
     """Per-request latency metrics as the router sees them."""
 
     def __init__(self, telemetry: Telemetry, arrival: float, prompt_tokens: int) -> None:
-        self.t, self.arrival, self.last = telemetry, arrival, None
+        self.t, self.arrival = telemetry, arrival
+        self.last: float | None = None
         telemetry.inc(m.PROMPT_TOKENS, prompt_tokens)
 
     def tokens(self, n: int) -> None:

@@ -100,9 +100,9 @@ class KubernetesDiscovery:
             from kubernetes import client, config
 
             try:
-                config.load_incluster_config()
+                config.load_incluster_config()  # type: ignore[no-untyped-call]
             except config.ConfigException:
-                config.load_kube_config()
+                config.load_kube_config()  # type: ignore[no-untyped-call]
             self._api = client.ApiClient()
         return self._api
 

@@ -120,7 +120,11 @@ class Dispatcher:
                 log.warning("request %s: %s; migrating to %s after %d tokens", request_id, exc, decode.url,
                             len(generated))
                 self.telemetry.inc(m.MIGRATIONS)
-                rest = sampling.model_copy(update={"max_tokens": sampling.max_tokens - len(generated)})
+                left = sampling.max_tokens - len(generated)
+                if left <= 0:  # the worker died after the last token but before saying so
+                    yield TokenEvent([], None, "length")
+                    return
+                rest = sampling.model_copy(update={"max_tokens": left})
                 stream = self._generate_stream(decode, f"{request_id}-m{migrations}", prompt + generated, rest,
                                                deadline)
 

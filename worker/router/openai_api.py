@@ -87,7 +87,7 @@ def _check_unsupported(req: CompletionRequest | ChatRequest) -> None:
         if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
             if len(req.prompt) != 1:
                 raise bad_request("only one prompt per request is supported", param="prompt")
-            req.prompt = req.prompt[0]  # type: ignore[assignment]
+            req.prompt = req.prompt[0]
         if req.prompt in ("", []):
             raise bad_request("prompt must not be empty", param="prompt")
 

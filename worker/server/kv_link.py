@@ -133,8 +133,12 @@ class KVIntake:
         transfer_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         fut: asyncio.Future[TransferError | None] = loop.create_future()
 
+        def settle(err: TransferError | None) -> None:
+            if not fut.done():
+                fut.set_result(err)
+
         def done(_tid: str, err: TransferError | None) -> None:  # receiver I/O thread
-            loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(err))
+            loop.call_soon_threadsafe(settle, err)
 
         self.receiver.expect(transfer_id, block_ids, deadline_s, done)
         res = Reservation(request_id, transfer_id, block_ids, fut)

@@ -115,29 +115,24 @@ class WorkerServer:
                  layout_hash, engine.stats().num_total_blocks)
 
     def _start_transport(self, engine: Any) -> None:
+        from tandem.worker.transfer.select import choose_transport, make_receiver, make_sender
         from tandem.worker.transfer.telemetry import TransferTelemetry
 
         cfg = self.cfg
-        if cfg.transport == "rdma":
-            raise ValueError("--transport rdma is not available in this build of the worker; use tcp or auto")
-        self.transport = "tcp"
         self.transfer_telemetry = TransferTelemetry(model=self.model_name, role=cfg.role, pool=cfg.pool)
-        self.transfer_telemetry.selected("tcp")
-        if cfg.transport == "auto":
-            log.info("KV transport: auto selected tcp")
+        # Raises TransferError(unavailable) with the reason when rdma is asked for and cannot run here.
+        kind, why = choose_transport(cfg.transport, self.transfer_telemetry)
+        self.transport = kind
+        log.info("KV transport: %s (%s)", kind, why)
         layout = engine.kv_layout
         if cfg.role == "decode":
-            from tandem.worker.transfer.tcp_receiver import TcpReceiver
-
-            self._receiver = TcpReceiver(layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
-                                         telemetry=self.transfer_telemetry)
-            port = self._receiver.address.rsplit(":", 1)[1]
-            self.kv_address = f"tcp://{self._advertised_host()}:{port}"
+            self._receiver = make_receiver(kind, layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
+                                           telemetry=self.transfer_telemetry)
+            scheme, _, port = self._receiver.address.rpartition(":")
+            self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
             self.intake = KVIntake(self._receiver, self._cancel_reservation)
         else:
-            from tandem.worker.transfer.tcp_sender import TcpSender
-
-            self._sender = TcpSender(layout, engine.kv_cache, telemetry=self.transfer_telemetry)
+            self._sender = make_sender(kind, layout, engine.kv_cache, telemetry=self.transfer_telemetry)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
             engine.set_layer_callback(self.shipper.on_layer)
 

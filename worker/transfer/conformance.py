@@ -100,6 +100,7 @@ def _sender_process(kind: str, address: str, transfer_id: str, dst_ids: list[int
     transfer = sender.connect(address).begin(transfer_id, dst_ids, 60.0)
     for layer in range(layers):
         transfer.send_layer(layer, list(range(len(dst_ids))))
+    time.sleep(0.5)  # send_layer only queues: let the frames leave before the parent kills us
     pipe.send("sent")
     time.sleep(120)  # wait to be killed
 

@@ -37,6 +37,7 @@ class RdmaProbe:
     reason: str  # why not, or what was found
     ports: list[RdmaPort] = field(default_factory=list)
     pyverbs: str | None = None  # version, when importable
+    pyverbs_problem: str | None = None  # why pyverbs cannot be used, when it cannot
 
 
 def load_pyverbs() -> ModuleType:
@@ -80,23 +81,23 @@ def probe(root: Path = SYSFS_ROOT) -> RdmaProbe:
         pyverbs_problem = None
     if not root.exists():
         return RdmaProbe(False, f"no RDMA device: {root} does not exist (this kernel has no RDMA/InfiniBand "
-                         "support loaded)", [], version)
+                         "support loaded)", [], version, pyverbs_problem)
     ports = sysfs_ports(root)
     if not ports:
-        return RdmaProbe(False, f"no RDMA device: {root} is empty", [], version)
+        return RdmaProbe(False, f"no RDMA device: {root} is empty", [], version, pyverbs_problem)
     active = [p for p in ports if p.active]
     if not active:
         states = ", ".join(f"{p.device} port {p.port}: {p.state}" for p in ports)
-        return RdmaProbe(False, f"RDMA device found but no port is ACTIVE ({states})", ports, version)
+        return RdmaProbe(False, f"RDMA device found but no port is ACTIVE ({states})", ports, version, pyverbs_problem)
     if pyverbs_problem is not None:
-        return RdmaProbe(False, pyverbs_problem, ports, version)
+        return RdmaProbe(False, pyverbs_problem, ports, version, pyverbs_problem)
     try:
         devices = importlib.import_module("pyverbs.device").get_device_list()
     except Exception as exc:  # PyverbsRDMAError when libibverbs sees no device
-        return RdmaProbe(False, f"libibverbs cannot list RDMA devices: {exc}", ports, version)
+        return RdmaProbe(False, f"libibverbs cannot list RDMA devices: {exc}", ports, version, pyverbs_problem)
     if not devices:
         return RdmaProbe(False, "libibverbs lists no RDMA device (driver or provider library missing?)",
-                         ports, version)
+                         ports, version, pyverbs_problem)
     best = active[0]
     return RdmaProbe(True, f"RDMA device {best.device} port {best.port} is ACTIVE ({best.link_layer}, "
-                     f"{best.rate})", ports, version)
+                     f"{best.rate})", ports, version, pyverbs_problem)

@@ -142,11 +142,13 @@ class TcpReceiver:
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self._wakeup.fd in events:
                 self._wakeup.clear()
-            if self._router in events:
-                self._drain_router()
-            if self._monitor in events:
-                for fd in disconnected_fds(self._monitor):
-                    self._peer_closed(fd)
+            closed = disconnected_fds(self._monitor) if self._monitor in events else []
+            if self._router in events or closed:
+                # A closed peer's last messages are queued before its disconnect event is sent:
+                # read them all first, so its session is known when the disconnect is handled.
+                self._drain_router(until_empty=bool(closed))
+            for fd in closed:
+                self._peer_closed(fd)
             self._expire()
         self._fail_all(TransferError(CLOSED, "the receiver was closed"))
 
@@ -157,8 +159,10 @@ class TcpReceiver:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
-    def _drain_router(self) -> None:
-        for _ in range(256):  # bounded, so deadlines and monitor events get their turn
+    def _drain_router(self, until_empty: bool = False) -> None:
+        handled = 0
+        while until_empty or handled < 256:  # bounded, so deadlines and monitor events get their turn
+            handled += 1
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -196,11 +200,26 @@ class TcpReceiver:
             self._send(identity, wire.encode_control(wire.REFUSE, refusal.to_wire()))
             return
         session_id = str(peer.get("session"))
+        try:
+            extra = self._welcome_extra(session_id, peer)
+        except TransferError as exc:
+            log.error("KV receiver %s refused a sender: %s", self.address, exc.message)
+            self.telemetry.failed(self.transport, exc.reason)
+            self._send(identity, wire.encode_control(wire.REFUSE, exc.to_wire()))
+            return
         session = _Session(session_id, identity)
         self._sessions[session_id] = session
         self._bind(session, identity, fd)
-        self._send(identity, wire.encode_control(wire.WELCOME, {"num_blocks": self.num_blocks,
-                                                                "layout_hash": self.layout.layout_hash()}))
+        self._send(identity, wire.encode_control(wire.WELCOME, {
+            "num_blocks": self.num_blocks, "layout_hash": self.layout.layout_hash(), **extra}))
+
+    def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
+        """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
+        return {}
+
+    def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
+        """tcp: every frame was verified as it came; DONE goes out when the last one is written."""
+        reservation.finish_requested = True
 
     def _on_attach(self, identity: bytes, body: zmq.Frame, fd: int | None) -> None:
         session = self._sessions.get(str(wire.decode_control(body.buffer).get("session")))
@@ -240,7 +259,7 @@ class TcpReceiver:
                 return
             reservation.claim(session_id)
         elif kind == wire.FINISH:
-            reservation.finish_requested = True  # DONE goes out when the last frame verifies
+            self._on_finish(reservation, msg)
         else:
             self._fail(reservation, TransferError(ABORTED, f"the sender aborted: {msg.get('message', '')}",
                                                   transfer_id), None)

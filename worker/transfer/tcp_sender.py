@@ -18,6 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -58,7 +59,7 @@ class OutgoingTransfer:
 
     def __init__(self, conn: TcpConnection, transfer_id: str, dst_ids: torch.Tensor, deadline: float) -> None:
         self.transfer_id = transfer_id
-        self._raw_id = transfer_id.encode()
+        self.raw_id = transfer_id.encode()
         self._conn, self._dst_ids, self.deadline = conn, dst_ids, deadline
         self._sent = torch.zeros(conn.layout.num_layers, 2, dst_ids.numel(), dtype=torch.bool)
         self._state = _State()
@@ -84,23 +85,8 @@ class OutgoingTransfer:
             for first in range(0, src.numel(), per_frame):
                 src_chunk = src[first:first + per_frame]
                 dst_chunk = self._dst_ids[dst_start + first:dst_start + first + src_chunk.numel()]
-                self._send_frame(layer, kind, src_chunk, dst_chunk)
+                conn.transmit(self, layer, kind, src_chunk, dst_chunk)
         self._sent[layer, :, dst_start:dst_start + src.numel()] = True
-
-    def _send_frame(self, layer: int, kind: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        conn = self._conn
-        nbytes = src.numel() * conn.layout.bytes_per_block_layer_kv
-        seq = conn.reserve_frame(self, nbytes)
-        try:
-            payload = read_blocks(conn.kv_cache, layer, kind, src)
-        except Exception as exc:
-            conn.fail(self, TransferError(ABORTED, f"could not read source blocks: {exc}", self.transfer_id),
-                      tell_receiver=True)
-            raise
-        ids = struct.pack(f"<{dst.numel()}i", *dst.tolist())
-        digest = wire.frame_digest(seq, layer, kind, src.numel(), nbytes, self._raw_id, ids, payload)
-        header = wire.pack_header(seq, layer, kind, src.numel(), nbytes, digest)
-        conn.enqueue(self, [wire.DATA, header, self._raw_id, ids, payload], data=True)
 
     def finish(self) -> TransferResult:
         """Wait until the receiver confirms every (layer, K/V, block) arrived and verified."""
@@ -111,7 +97,8 @@ class OutgoingTransfer:
                                   "missing blocks)", self.transfer_id)
             self._conn.fail(self, error, tell_receiver=True)
             raise error
-        self._conn.enqueue(self, wire.encode_control(wire.FINISH, {"transfer_id": self.transfer_id}))
+        extra = self._conn.prepare_finish(self)
+        self._conn.enqueue(self, wire.encode_control(wire.FINISH, {"transfer_id": self.transfer_id, **extra}))
         self._conn.wait(self, lambda s: s.done)
         seconds = time.monotonic() - self._started
         result = TransferResult(self.transfer_id, self._state.bytes_sent, seconds, self._state.next_seq)
@@ -183,7 +170,7 @@ class TcpConnection:
     def _handshake(self, sender: TcpSender, session: str) -> int:
         first = self._sockets[0]
         first.send_multipart(wire.encode_control(wire.HELLO, wire.hello(
-            self.layout, sender.layout_tag, session, self.transport)))
+            self.layout, sender.layout_tag, session, self.transport, self._hello_extra())))
         if not first.poll(int(sender.connect_timeout_s * 1000)):
             self.telemetry.failed(self.transport, CONNECT_FAILED)
             raise TransferError(CONNECT_FAILED, f"no KV receiver answered at {self.address} within "
@@ -197,9 +184,38 @@ class TcpConnection:
             raise error
         if kind != wire.WELCOME or not isinstance(reply.get("num_blocks"), int):
             raise TransferError(CONNECT_FAILED, f"unexpected handshake reply from {self.address}")
+        self._on_welcome(reply)
         for index, sock in enumerate(self._sockets[1:], start=1):
             sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
         return int(reply["num_blocks"])
+
+    # --- transport-specific parts (rdma.py overrides these) -------------------------------
+
+    def _hello_extra(self) -> dict[str, Any]:
+        return {}
+
+    def _on_welcome(self, reply: dict[str, Any]) -> None:
+        pass
+
+    def transmit(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
+                 dst: torch.Tensor) -> None:
+        """Send one frame: kv_cache[layer, kind, src] into the receiver's blocks dst."""
+        nbytes = src.numel() * self.layout.bytes_per_block_layer_kv
+        seq = self.reserve_frame(transfer, nbytes)
+        try:
+            payload = read_blocks(self.kv_cache, layer, kind, src)
+        except Exception as exc:
+            self.fail(transfer, TransferError(ABORTED, f"could not read source blocks: {exc}",
+                                              transfer.transfer_id), tell_receiver=True)
+            raise
+        ids = struct.pack(f"<{dst.numel()}i", *dst.tolist())
+        digest = wire.frame_digest(seq, layer, kind, src.numel(), nbytes, transfer.raw_id, ids, payload)
+        header = wire.pack_header(seq, layer, kind, src.numel(), nbytes, digest)
+        self.enqueue(transfer, [wire.DATA, header, transfer.raw_id, ids, payload], data=True)
+
+    def prepare_finish(self, transfer: OutgoingTransfer) -> dict[str, Any]:
+        """Extra FINISH fields; tcp frames were each verified on arrival, so none."""
+        return {}
 
     # --- transfers -------------------------------------------------------------------------
 
@@ -440,9 +456,12 @@ class TcpSender:
                 return conn
             if conn is not None:
                 conn.close()
-            conn = TcpConnection(self, address)
+            conn = self._open(address)
             self._connections[address] = conn
             return conn
+
+    def _open(self, address: str) -> TcpConnection:
+        return TcpConnection(self, address)
 
     def close(self) -> None:
         with self._lock:

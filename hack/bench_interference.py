@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Interference benchmark: long prompts arriving into steady decode traffic.
+
+For each mode (monolithic, chunked, disaggregated) this starts a local stack on the same model
+(`tandem serve`'s supervisor), keeps `--streams` decode streams running (short prompt, long
+output, closed loop), injects a `--long-prompt-tokens` prompt every `--long-every` seconds,
+and reports the decode streams' inter-token latency (p50/p99, and p99/p50) and the long
+prompts' TTFT. The claim it checks: with disaggregation, a long prefill does not stall running
+decodes, so ITL p99 stays near its p50; in monolithic mode every long prefill freezes the batch.
+
+Every worker process runs torch with one thread (OMP_NUM_THREADS=1) so the modes differ only in
+where prefill runs: monolithic and chunked use one worker (one core); disaggregated uses a
+prefill and a decode worker (two cores), which is the point of disaggregation, and is said in
+the output. Absolute times depend on this machine; compare the ratios.
+
+    .venv/bin/python hack/bench_interference.py --duration 40 --json /tmp/interference.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tandem.worker.bench.client import RequestResult, send_one
+from tandem.worker.bench.stats import percentile
+from tandem.worker.bench.workload import RequestSpec
+from tandem.worker.server.supervisor import LocalStack, StackSpec, free_port
+
+MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
+
+
+def write_model(folder: Path) -> Path:
+    from tandem.worker.model.tiny import write_tiny_model
+
+    if not (folder / "config.json").is_file():
+        write_tiny_model(folder, **MODEL)
+    return folder
+
+
+def wait_ready(stack: LocalStack, timeout: float = 300) -> None:
+    limit = time.monotonic() + timeout
+    with httpx.Client() as client:
+        while time.monotonic() < limit:
+            if stack.dead():
+                raise RuntimeError(f"{stack.dead()[0].name} exited:\n{stack.dead()[0].log_tail()}")
+            if all(ok for ok, _ in stack.poll_ready(client).values()):
+                return
+            time.sleep(0.5)
+    raise RuntimeError("stack not ready in time")
+
+
+def random_ids(n: int, rng: random.Random, vocab: int = 512) -> list[int]:
+    return [rng.randrange(10, vocab) for _ in range(n)]
+
+
+async def run_load(url: str, args: argparse.Namespace) -> tuple[list[RequestResult], list[RequestResult]]:
+    rng = random.Random(0)
+    decode_results: list[RequestResult] = []
+    long_results: list[RequestResult] = []
+    end = time.monotonic() + args.warmup + args.duration
+    measure_from = time.monotonic() + args.warmup
+    limits = httpx.Limits(max_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+
+        async def decode_stream(i: int) -> None:
+            while time.monotonic() < end:
+                spec = RequestSpec(0, args.short_prompt_tokens, args.decode_tokens, "decode")
+                res = await send_one(client, url, "bench", spec, random_ids(args.short_prompt_tokens, rng), 300)
+                if res.start >= measure_from:
+                    decode_results.append(res)
+
+        async def long_prompts() -> None:
+            await asyncio.sleep(args.warmup)
+            tasks = []
+            while time.monotonic() < end - 2:
+                spec = RequestSpec(0, args.long_prompt_tokens, 2, "long")
+                tasks.append(asyncio.create_task(
+                    send_one(client, url, "bench", spec, random_ids(args.long_prompt_tokens, rng), 300)))
+                await asyncio.sleep(args.long_every)
+            long_results.extend(await asyncio.gather(*tasks))
+
+        await asyncio.gather(long_prompts(), *(decode_stream(i) for i in range(args.streams)))
+    return decode_results, long_results
+
+
+def summarize(decode: list[RequestResult], long: list[RequestResult]) -> dict[str, Any]:
+    itls = [x for r in decode if r.ok for x in r.itls]
+    ttft_long = [r.ttft for r in long if r.ok and r.ttft is not None]
+    p50, p99 = percentile(itls, 50), percentile(itls, 99)
+    return {
+        "decode_requests": len(decode), "decode_failed": sum(not r.ok for r in decode),
+        "long_requests": len(long), "long_failed": sum(not r.ok for r in long),
+        "itl_p50_ms": p50 and p50 * 1000, "itl_p99_ms": p99 and p99 * 1000,
+        "itl_max_ms": max(itls) * 1000 if itls else None,
+        "itl_p99_over_p50": (p99 / p50) if p50 and p99 else None,
+        "long_ttft_p50_ms": (v := percentile(ttft_long, 50)) and v * 1000,
+        "long_ttft_p99_ms": (v := percentile(ttft_long, 99)) and v * 1000,
+    }
+
+
+def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
+    port = free_port()
+    spec = StackSpec(model_dir=model_dir, model_name="bench", mode=mode, prefill_workers=1, decode_workers=1,
+                     port=port, log_dir=log_root / mode, kv_cache_bytes=256 << 20,
+                     max_num_batched_tokens=args.chunk if mode == "chunked" else None)
+    stack = LocalStack(spec)
+    stack.start()
+    try:
+        wait_ready(stack)
+        decode, long = asyncio.run(run_load(stack.url, args))
+    finally:
+        stack.stop()
+    out = summarize(decode, long)
+    out["mode"] = mode
+    out["cores_for_workers"] = 2 if mode == "disaggregated" else 1
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="monolithic,chunked,disaggregated")
+    ap.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode")
+    ap.add_argument("--warmup", type=float, default=5.0)
+    ap.add_argument("--streams", type=int, default=6, help="concurrent decode streams")
+    ap.add_argument("--short-prompt-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--long-prompt-tokens", type=int, default=1536)
+    ap.add_argument("--long-every", type=float, default=3.0, help="seconds between long prompts")
+    ap.add_argument("--chunk", type=int, default=256, help="token budget per step in chunked mode")
+    ap.add_argument("--model-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every worker process
+    work = Path(tempfile.mkdtemp(prefix="tandem-interference-"))
+    model_dir = write_model(args.model_dir or work / "model")
+    results = []
+    for mode in args.modes.split(","):
+        print(f"running {mode} ...", flush=True)
+        results.append(run_mode(mode, model_dir, args, work / "logs"))
+        print(json.dumps(results[-1]), flush=True)
+    print(f"\nmodel {MODEL}; {args.streams} decode streams ({args.short_prompt_tokens}-token prompts, "
+          f"{args.decode_tokens} tokens each) + one {args.long_prompt_tokens}-token prompt every {args.long_every}s; "
+          f"{args.duration:.0f}s measured per mode; OMP_NUM_THREADS=1 per worker")
+    header = f"{'mode':<14}{'ITL p50':>10}{'ITL p99':>10}{'p99/p50':>9}{'ITL max':>10}{'long TTFT p50':>15}{'p99':>10}{'fails':>7}"
+    print(header)
+    for r in results:
+        print(f"{r['mode']:<14}{r['itl_p50_ms']:>8.1f}ms{r['itl_p99_ms']:>8.1f}ms{r['itl_p99_over_p50']:>9.2f}"
+              f"{r['itl_max_ms']:>8.1f}ms{r['long_ttft_p50_ms']:>13.0f}ms{r['long_ttft_p99_ms']:>8.0f}ms"
+              f"{r['decode_failed'] + r['long_failed']:>7}")
+    if args.json:
+        args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "model": MODEL,
+                                         "results": results}, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

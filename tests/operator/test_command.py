@@ -1,0 +1,39 @@
+"""`tandem operator` on the command line (the contract the Helm chart relies on)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from tandem.operator.kube import _path
+from tandem.worker.cli import main
+
+
+def test_help_lists_the_contract_options() -> None:
+    result = CliRunner().invoke(main, ["operator", "--help"])
+    assert result.exit_code == 0, result.output
+    for option in ("--namespace", "--metrics-port", "--health-port", "--prometheus-url", "--autoscale-interval",
+                   "--kubeconfig"):
+        assert option in result.output
+
+
+def test_missing_kubeconfig_is_a_clear_usage_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["operator", "--kubeconfig", str(tmp_path / "nope")])
+    assert result.exit_code == 2
+    assert "nope" in result.output and "does not exist" in result.output
+
+
+@pytest.mark.parametrize(("api_version", "kind", "name", "sub", "expected"), [
+    ("apps/v1", "Deployment", "a", "", "/apis/apps/v1/namespaces/ns/deployments/a"),
+    ("v1", "Service", None, "", "/api/v1/namespaces/ns/services"),
+    ("tandem.dev/v1alpha1", "DisaggregatedModel", "m", "status",
+     "/apis/tandem.dev/v1alpha1/namespaces/ns/disaggregatedmodels/m/status"),
+])
+def test_api_paths(api_version: str, kind: str, name: str | None, sub: str, expected: str) -> None:
+    assert _path(api_version, kind, "ns", name, sub) == expected
+
+
+def test_unknown_kind_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not manage ConfigMap"):
+        _path("v1", "ConfigMap", "ns")
