@@ -23,6 +23,8 @@ import asyncio
 import json
 import os
 import random
+import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -81,22 +83,24 @@ async def run_load(url: str, args: argparse.Namespace) -> tuple[list[RequestResu
         async def long_prompts() -> None:
             await asyncio.sleep(args.warmup)
             tasks = []
-            while time.monotonic() < end - 2:
+            while time.monotonic() < end - 2 and args.long_every < 1e8:
                 spec = RequestSpec(0, args.long_prompt_tokens, 2, "long")
                 tasks.append(asyncio.create_task(
                     send_one(client, url, "bench", spec, random_ids(args.long_prompt_tokens, rng), 300)))
-                await asyncio.sleep(args.long_every)
+                await asyncio.sleep(max(0.0, min(args.long_every, end - 2 - time.monotonic())))
             long_results.extend(await asyncio.gather(*tasks))
 
         await asyncio.gather(long_prompts(), *(decode_stream(i) for i in range(args.streams)))
     return decode_results, long_results
 
 
-def summarize(decode: list[RequestResult], long: list[RequestResult]) -> dict[str, Any]:
+def summarize(decode: list[RequestResult], long: list[RequestResult], stall_s: float) -> dict[str, Any]:
     itls = [x for r in decode if r.ok for x in r.itls]
     ttft_long = [r.ttft for r in long if r.ok and r.ttft is not None]
-    p50, p99 = percentile(itls, 50), percentile(itls, 99)
+    p50, p99, p999 = percentile(itls, 50), percentile(itls, 99), percentile(itls, 99.9)
     return {
+        "itl_samples": len(itls), "itl_p999_ms": p999 and p999 * 1000,
+        "stalls": sum(x > stall_s for x in itls),  # decode gaps longer than --stall-ms
         "decode_requests": len(decode), "decode_failed": sum(not r.ok for r in decode),
         "long_requests": len(long), "long_failed": sum(not r.ok for r in long),
         "itl_p50_ms": p50 and p50 * 1000, "itl_p99_ms": p99 and p99 * 1000,
@@ -108,6 +112,9 @@ def summarize(decode: list[RequestResult], long: list[RequestResult]) -> dict[st
 
 
 def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, log_root: Path) -> dict[str, Any]:
+    baseline = mode == "baseline"  # monolithic with no long prompts: this machine's noise floor
+    if baseline:
+        mode, args = "monolithic", argparse.Namespace(**{**vars(args), "long_every": 1e9})
     port = free_port()
     spec = StackSpec(model_dir=model_dir, model_name="bench", mode=mode, prefill_workers=1, decode_workers=1,
                      port=port, log_dir=log_root / mode, kv_cache_bytes=256 << 20,
@@ -119,15 +126,17 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, log_root: Pat
         decode, long = asyncio.run(run_load(stack.url, args))
     finally:
         stack.stop()
-    out = summarize(decode, long)
-    out["mode"] = mode
+    out = summarize(decode, long, args.stall_ms / 1000)
+    out["mode"] = "baseline (no long prompts)" if baseline else mode
     out["cores_for_workers"] = 2 if mode == "disaggregated" else 1
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--modes", default="monolithic,chunked,disaggregated")
+    ap.add_argument("--modes", default="baseline,monolithic,chunked,disaggregated",
+                    help="baseline = monolithic without long prompts (the noise floor of this machine)")
+    ap.add_argument("--stall-ms", type=float, default=250.0, help="a decode gap longer than this is a stall")
     ap.add_argument("--duration", type=float, default=40.0, help="measured seconds per mode")
     ap.add_argument("--warmup", type=float, default=5.0)
     ap.add_argument("--streams", type=int, default=6, help="concurrent decode streams")
@@ -140,6 +149,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every worker process
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so every stack is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     work = Path(tempfile.mkdtemp(prefix="tandem-interference-"))
     model_dir = write_model(args.model_dir or work / "model")
     results = []
@@ -150,12 +161,14 @@ def main() -> None:
     print(f"\nmodel {MODEL}; {args.streams} decode streams ({args.short_prompt_tokens}-token prompts, "
           f"{args.decode_tokens} tokens each) + one {args.long_prompt_tokens}-token prompt every {args.long_every}s; "
           f"{args.duration:.0f}s measured per mode; OMP_NUM_THREADS=1 per worker")
-    header = f"{'mode':<14}{'ITL p50':>10}{'ITL p99':>10}{'p99/p50':>9}{'ITL max':>10}{'long TTFT p50':>15}{'p99':>10}{'fails':>7}"
-    print(header)
+    print(f"{'mode':<28}{'ITL p50':>9}{'p99':>8}{'p99.9':>8}{'max':>8}{'p99/p50':>9}{'p99.9/p50':>10}"
+          f"{'stalls':>8}{'long TTFT p50':>15}{'fails':>7}")
     for r in results:
-        print(f"{r['mode']:<14}{r['itl_p50_ms']:>8.1f}ms{r['itl_p99_ms']:>8.1f}ms{r['itl_p99_over_p50']:>9.2f}"
-              f"{r['itl_max_ms']:>8.1f}ms{r['long_ttft_p50_ms']:>13.0f}ms{r['long_ttft_p99_ms']:>8.0f}ms"
-              f"{r['decode_failed'] + r['long_failed']:>7}")
+        ttft = f"{r['long_ttft_p50_ms']:.0f}" if r["long_ttft_p50_ms"] else "-"
+        print(f"{r['mode']:<28}{r['itl_p50_ms']:>9.1f}{r['itl_p99_ms']:>8.1f}{r['itl_p999_ms']:>8.1f}"
+              f"{r['itl_max_ms']:>8.0f}{r['itl_p99_over_p50']:>9.1f}{r['itl_p999_ms'] / r['itl_p50_ms']:>10.1f}"
+              f"{r['stalls']:>8}{ttft:>15}{r['decode_failed'] + r['long_failed']:>7}")
+    print(f"(ms; stalls = decode gaps > {args.stall_ms:.0f} ms out of each mode's itl_samples)")
     if args.json:
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "model": MODEL,
                                          "results": results}, indent=2))

@@ -5,7 +5,8 @@ For each batch size (bytes of KV moved by one transfer), it times transfers end 
 (begin -> every block verified into the receiver's cache -> finish() returns) and, in the
 same run, plain-socket transfers of the same sizes (sendall / recv_into plus a 1-byte ack,
 which is the most a TCP transport can reach on this machine). The receiver runs in a child
-process in both cases, so the two sides do not share a GIL.
+process in both cases, so the two sides do not share a GIL. It also reports the CPU time both
+processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
 """
@@ -18,6 +19,7 @@ import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import sys
 import threading
 import time
@@ -44,6 +46,8 @@ class Row:
     tcp_gbps: float
     tcp_p50_ms: float
     tcp_p99_ms: float
+    raw_cpu_s_per_gib: float
+    tcp_cpu_s_per_gib: float
 
     @property
     def ratio(self) -> float:
@@ -78,6 +82,9 @@ def raw_server(port_out: Any, max_size: int) -> None:
         if len(head) < 8:
             return
         size, got = int.from_bytes(head, "little"), 0
+        if size == 0:  # the client asks for this process's CPU time
+            conn.sendall(struct.pack("<d", time.process_time()))
+            continue
         while got < size:
             n = conn.recv_into(view[got:size])
             if n == 0:
@@ -86,7 +93,7 @@ def raw_server(port_out: Any, max_size: int) -> None:
         conn.sendall(b"k")
 
 
-def run_raw(sizes: list[int], seconds: float) -> dict[int, list[float]]:
+def run_raw(sizes: list[int], seconds: float) -> tuple[dict[int, list[float]], dict[int, float]]:
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=raw_server, args=(child, max(sizes)), daemon=True)
     proc.start()
@@ -95,8 +102,15 @@ def run_raw(sizes: list[int], seconds: float) -> dict[int, list[float]]:
     payload = bytearray(os.urandom(1024)) * (max(sizes) // 1024)
     view = memoryview(payload)
     times: dict[int, list[float]] = {}
+    cpu: dict[int, float] = {}
+
+    def cpu_now() -> float:
+        sock.sendall((0).to_bytes(8, "little"))
+        return time.process_time() + float(struct.unpack("<d", sock.recv(8, socket.MSG_WAITALL))[0])
+
     for size in sizes:
         times[size] = []
+        cpu_start = cpu_now()
         stop = time.monotonic() + seconds
         while time.monotonic() < stop or len(times[size]) < 5:
             start = time.perf_counter()
@@ -105,9 +119,10 @@ def run_raw(sizes: list[int], seconds: float) -> dict[int, list[float]]:
             if sock.recv(1) != b"k":
                 raise RuntimeError("raw receiver went away")
             times[size].append(time.perf_counter() - start)
+        cpu[size] = (cpu_now() - cpu_start) / (size * len(times[size]) / 2**30)
     sock.close()
     proc.join(timeout=5)
-    return times
+    return times, cpu
 
 
 # --- tandem tcp transport --------------------------------------------------------------------
@@ -130,13 +145,17 @@ def tcp_server(conn: Any, num_blocks: int) -> None:
         if message is None:
             receiver.close()
             return
+        if message == "cpu":
+            conn.send(time.process_time())
+            continue
         transfer_id, block_ids = message
         done.clear()
         receiver.expect(transfer_id, block_ids, 30.0, on_done)
         conn.send("ready")
 
 
-def run_tcp(sizes: list[int], seconds: float, streams: int, frame_bytes: int) -> dict[int, list[float]]:
+def run_tcp(sizes: list[int], seconds: float, streams: int,
+            frame_bytes: int) -> tuple[dict[int, list[float]], dict[int, float]]:
     num_blocks = max(sizes) // UNIT
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks), daemon=True)
@@ -147,10 +166,17 @@ def run_tcp(sizes: list[int], seconds: float, streams: int, frame_bytes: int) ->
     sender = TcpSender(LAYOUT, cache, streams=streams, frame_bytes=frame_bytes)
     conn = sender.connect(address)
     times: dict[int, list[float]] = {}
+    cpu: dict[int, float] = {}
     counter = 0
+
+    def cpu_now() -> float:
+        parent.send("cpu")
+        return time.process_time() + float(parent.recv())
+
     for size in sizes:
         blocks = list(range(size // UNIT))
         times[size] = []
+        cpu_start = cpu_now()
         stop = time.monotonic() + seconds
         while time.monotonic() < stop or len(times[size]) < 5:
             counter += 1
@@ -162,27 +188,32 @@ def run_tcp(sizes: list[int], seconds: float, streams: int, frame_bytes: int) ->
             transfer.send_layer(0, blocks)
             transfer.finish()
             times[size].append(time.perf_counter() - start)
+        cpu[size] = (cpu_now() - cpu_start) / (size * len(times[size]) / 2**30)
     sender.close()
     parent.send(None)
     proc.join(timeout=10)
-    return times
+    return times, cpu
 
 
-def summarize(sizes: list[int], raw: dict[int, list[float]], tcp: dict[int, list[float]]) -> list[Row]:
+def summarize(sizes: list[int], raw: tuple[dict[int, list[float]], dict[int, float]],
+              tcp: tuple[dict[int, list[float]], dict[int, float]]) -> list[Row]:
     rows = []
     for size in sizes:
-        r, t = raw[size], tcp[size]
+        r, t = raw[0][size], tcp[0][size]
         rows.append(Row(size, size / statistics.median(r) / 1e9, percentile(r, 0.5) * 1e3, percentile(r, 0.99) * 1e3,
-                        size / statistics.median(t) / 1e9, percentile(t, 0.5) * 1e3, percentile(t, 0.99) * 1e3))
+                        size / statistics.median(t) / 1e9, percentile(t, 0.5) * 1e3, percentile(t, 0.99) * 1e3,
+                        raw[1][size], tcp[1][size]))
     return rows
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| batch | raw socket GB/s | tandem tcp GB/s | tcp / raw | raw p50 / p99 ms | tcp p50 / p99 ms |",
-             "|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| batch | raw socket GB/s | tandem tcp GB/s | tcp / raw | raw p50 / p99 ms | tcp p50 / p99 ms "
+             "| CPU s per GiB raw / tcp |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         lines.append(f"| {human(row.size)} | {row.raw_gbps:.2f} | {row.tcp_gbps:.2f} | {row.ratio:.0%} | "
-                     f"{row.raw_p50_ms:.2f} / {row.raw_p99_ms:.2f} | {row.tcp_p50_ms:.2f} / {row.tcp_p99_ms:.2f} |")
+                     f"{row.raw_p50_ms:.2f} / {row.raw_p99_ms:.2f} | {row.tcp_p50_ms:.2f} / {row.tcp_p99_ms:.2f} | "
+                     f"{row.raw_cpu_s_per_gib:.2f} / {row.tcp_cpu_s_per_gib:.2f} |")
     return "\n".join(lines)
 
 

@@ -26,7 +26,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import k8s_build  # noqa: E402
+import contextlib
+
+import k8s_build
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_NODES_FILE = HERE / "cluster-nodes.json"
@@ -102,7 +104,7 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, argv: list[str]) -> None:
-        out = open(self.logs / f"{name}.log", "ab")
+        out = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it open)
         # New session: `down` signals by pid, and Ctrl-C on the caller does not reach them.
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -155,15 +157,18 @@ def node_manifests(pools: list[dict]) -> list[dict]:  # type: ignore[type-arg]
             name = f"{pool['name']}-{i}"
             resources = {
                 "cpu": str(pool.get("cpu", 64)), "memory": pool.get("memory", "512Gi"),
-                "pods": str(pool.get("pods", 110)), "nvidia.com/gpu": str(pool["gpus"]),
+                "pods": str(pool.get("pods", 110)),
             }
-            if pool.get("rdmaResource"):
-                resources[pool["rdmaResource"]] = str(pool.get("rdmaCount", 1000))
             labels = {
                 "type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
                 "kubernetes.io/arch": "amd64", "tandem.dev/pool": pool["name"],
-                "nvidia.com/gpu.product": pool["gpuType"], "nvidia.com/gpu.count": str(pool["gpus"]),
             }
+            if pool.get("gpus"):
+                resources["nvidia.com/gpu"] = str(pool["gpus"])
+                labels["nvidia.com/gpu.product"] = pool["gpuType"]
+                labels["nvidia.com/gpu.count"] = str(pool["gpus"])
+            if pool.get("rdmaResource"):
+                resources[pool["rdmaResource"]] = str(pool.get("rdmaCount", 1000))
             taints = ([{"key": "tandem.dev/pool", "value": pool["name"], "effect": "NoSchedule"}]
                       if pool.get("taint", True) else [])
             nodes.append({
@@ -295,10 +300,8 @@ def _stop_pid(name: str, pid: int) -> None:
             return
         time.sleep(0.1)
     log(f"{name} (pid {pid}) ignored SIGTERM; killing it")
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def env_lines(state: Path) -> str:

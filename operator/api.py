@@ -339,6 +339,9 @@ class PoolStatus(ApiModel):
     last_scale_time: str | None = Field(default=None, description="When the autoscaler last changed desiredReplicas (RFC 3339).")
     signal: float | None = Field(default=None, description="Last value of the pool's autoscaling signal.")
     scale_reason: str | None = Field(default=None, description="Why the autoscaler chose desiredReplicas.")
+    autoscaler_state: dict[str, Any] | None = Field(
+        default=None, description="The autoscaler's memory between decisions (free-form; kept across operator restarts)."
+    )
 
 
 class DisaggregatedModelStatus(ApiModel):

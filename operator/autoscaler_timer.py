@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from tandem.operator import signals as sig
 from tandem.operator.api import POOLS, DisaggregatedModelSpec, PoolName
 from tandem.operator.autoscaling import (
@@ -36,6 +36,7 @@ from tandem.operator.autoscaling import (
 )
 from tandem.operator.conditions import ConditionValue
 from tandem.operator.replicas import desired_replicas
+from tandem.operator.telemetry import operator_metric
 from tandem.worker import metrics as m
 
 DEFAULT_INTERVAL_S = 15.0
@@ -105,6 +106,13 @@ def count_unschedulable(pods: Iterable[Mapping[str, Any]]) -> int:
                 count += 1
                 break
     return count
+
+
+def pool_counts(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping[str, Any]]) -> PoolCounts:
+    """A pool's counts from its Deployment (status.readyReplicas) and its pods, as API dicts."""
+    ready = ((deployment or {}).get("status") or {}).get("readyReplicas")
+    return PoolCounts(ready=ready if isinstance(ready, int) and ready >= 0 else 0,
+                      unschedulable=count_unschedulable(pods))
 
 
 def policy_for(spec: DisaggregatedModelSpec, pool: PoolName) -> tuple[PoolPolicy | None, list[str]]:
@@ -293,18 +301,24 @@ def autoscale_tick(
 
 
 class AutoscalerMetrics:
-    """The operator's autoscaler metrics (names from tandem.worker.metrics); create once per process."""
+    """The operator's autoscaler metrics (names from tandem.worker.metrics).
 
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
-        def gauge(d: m.MetricDef) -> Gauge:
-            return Gauge(d.name, d.help, list(d.labels), registry=registry)
+    By default the process-wide collectors of tandem.operator.telemetry (the registry the
+    operator's /metrics serves); a test passes its own registry.
+    """
 
-        self.desired = gauge(m.AUTOSCALER_DESIRED)
-        self.current = gauge(m.AUTOSCALER_CURRENT)
-        self.signal = gauge(m.AUTOSCALER_SIGNAL)
-        self.target = gauge(m.AUTOSCALER_TARGET)
-        d = m.AUTOSCALER_SCALE_EVENTS
-        self.scale_events = Counter(d.name, d.help, list(d.labels), registry=registry)
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        def make(d: m.MetricDef) -> Any:
+            if registry is None:
+                return operator_metric(d)
+            kind = Counter if d.kind == "counter" else Gauge
+            return kind(d.name, d.help, list(d.labels), registry=registry)
+
+        self.desired = make(m.AUTOSCALER_DESIRED)
+        self.current = make(m.AUTOSCALER_CURRENT)
+        self.signal = make(m.AUTOSCALER_SIGNAL)
+        self.target = make(m.AUTOSCALER_TARGET)
+        self.scale_events = make(m.AUTOSCALER_SCALE_EVENTS)
 
     def record(self, namespace: str, name: str, result: TickResult) -> None:
         for pool, dec in result.decisions.items():
@@ -331,5 +345,6 @@ __all__ = [
     "autoscale_tick",
     "count_unschedulable",
     "policy_for",
+    "pool_counts",
     "ratio_band",
 ]

@@ -6,10 +6,11 @@ algorithm where one exists (ceil(current x signal / target), tolerance band, sta
 that take the max/min recommendation over the window, credit for pods that are not ready yet),
 and dask-kubernetes for the cooldown (after a change, no scale-down until it expires).
 
-Order of the rules for one pool (each can only make the answer more conservative):
+Order of the rules for one pool:
   1. pods that could not be scheduled -> scale back to what was placed, cap scale-ups for a while;
   2. signal missing -> hold the current size (never fall to min on missing data);
-  3. raw recommendation (tolerance, pending-pod credit), then the SLO guard;
+  3. raw recommendation (tolerance, credit for starting pods, no second scale-up while the last
+     one's pods start), then the SLO guard (latency above the SLO while the pool is busy);
   4. stabilization windows (up: min over window, down: max over window);
   5. cooldown (blocks scale-down only: a late scale-up costs SLO, a late scale-down only GPU time);
   6. max step up per interval (the larger of pods and percent, as HPA's default behaviour);

@@ -44,16 +44,23 @@ class Selector:
     namespace: str
     model: str
     pool: str
+    # Also match the engine role: needed where one pool label holds both roles (`tandem serve`
+    # labels every worker pool="local"); in Kubernetes role and pool coincide.
+    role: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("namespace", "model", "pool"):
             if not getattr(self, name):
                 raise SignalsError(f"selector {name} is empty: the query would match every {name}")
+        if self.role is not None and not self.role:
+            raise SignalsError("selector role is empty: leave it out to match every role")
 
     def matchers(self, *, with_pool: bool = True, role_regex: str | None = None) -> str:
         parts = [f'{m.LABEL_NAMESPACE}="{_escape(self.namespace)}"', f'{m.LABEL_MODEL}="{_escape(self.model)}"']
         if with_pool:
             parts.append(f'{m.LABEL_POOL}="{_escape(self.pool)}"')
+            if self.role is not None:
+                parts.append(f'{m.LABEL_ROLE}="{_escape(self.role)}"')
         if role_regex is not None:
             parts.append(f'{m.LABEL_ROLE}=~"{_escape(role_regex)}"')
         return "{" + ",".join(parts) + "}"
@@ -189,3 +196,16 @@ class PrometheusSignals:
             else:
                 values[name] = value
         return PoolSignals(values, problems)
+
+
+class NoSignals:
+    """SignalSource for an operator started without a Prometheus URL: everything missing, saying why.
+
+    The autoscaler then holds every pool and reports MetricsUnavailable instead of guessing.
+    """
+
+    def __init__(self, why: str = "no Prometheus URL configured (tandem operator --prometheus-url)") -> None:
+        self.why = why
+
+    def fetch(self, pool: str, sel: Selector) -> PoolSignals:
+        return PoolSignals({}, {name: self.why for name in pool_queries(pool, sel)})

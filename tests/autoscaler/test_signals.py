@@ -35,6 +35,12 @@ def test_decode_queries_use_kv_usage_and_itl() -> None:
     assert q[s.LATENCY_P].endswith('role=~"decode|both"}[2m])))')
 
 
+def test_an_optional_role_narrows_a_shared_pool_label() -> None:
+    q = s.pool_queries(s.PREFILL, s.Selector("ns", "tiny", "local", role="prefill"))
+    assert '{namespace="ns",model="tiny",pool="local",role="prefill"}' in q[s.QUEUE_REQUESTS]
+    assert 'role=~"prefill|both"' in q[s.LATENCY_P]
+
+
 def test_label_values_are_escaped() -> None:
     sel = s.Selector("ns", 'weird"model\\name', "prefill")
     assert 'model="weird\\"model\\\\name"' in sel.matchers()
@@ -43,6 +49,7 @@ def test_label_values_are_escaped() -> None:
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: s.Selector("", "m", "prefill"), "namespace is empty"),
     (lambda: s.Selector("ns", "", "prefill"), "model is empty"),
+    (lambda: s.Selector("ns", "m", "prefill", role=""), "role is empty"),
     (lambda: s.pool_queries("router", SEL), "unknown pool 'router'"),
     (lambda: s.QuerySettings(quantile=1.0), "quantile"),
     (lambda: s.QuerySettings(rate_window="1 minute"), "rate window"),
@@ -109,3 +116,9 @@ def test_an_http_error_is_missing_too(unavailable_server: str) -> None:
     assert got.get(s.KV_USAGE) is None
     assert "503" in got.problems[s.KV_USAGE]
     assert not any(isinstance(v, float) and math.isfinite(v) for v in got.values.values())
+
+
+def test_no_prometheus_configured_is_missing_with_the_reason() -> None:
+    got = s.NoSignals().fetch(s.PREFILL, SEL)
+    assert got.values == {}
+    assert "--prometheus-url" in got.problems[s.QUEUE_REQUESTS]

@@ -241,3 +241,36 @@ def test_invalid_policy_is_a_condition_not_a_crash() -> None:
     r = tick(spec)
     assert r.desired == {} and r.conditions[0].reason == "InvalidPolicy"
     assert isinstance(PolicyError("x"), ValueError)
+
+
+def test_scaling_limited_names_the_limit_and_its_numbers() -> None:
+    status = {"prefill": {"desiredReplicas": 14}, "decode": {"desiredReplicas": 4}}
+    counts = {"prefill": t.PoolCounts(14), "decode": t.PoolCounts(4)}
+    values = {**STEADY, "prefill": {sig.QUEUE_REQUESTS: 8.0}}  # wants 28, max is 16
+    r = tick(make_spec(), values, status, counts)
+    assert r.desired["prefill"] == 16
+    limited = r.conditions[1]
+    assert (limited.status, limited.reason) == ("True", "TooManyReplicas")
+    assert limited.message == "prefill: capped at maxReplicas 16 (load wants 28)"
+
+
+def test_default_metrics_share_the_operator_registry_and_can_be_built_twice() -> None:
+    from prometheus_client import REGISTRY
+
+    first, second = t.AutoscalerMetrics(), t.AutoscalerMetrics()  # no "duplicated timeseries"
+    second.record("team-b", "shared", tick(make_spec(), {**STEADY, "prefill": {sig.QUEUE_REQUESTS: 8.0}}))
+    labels = {"namespace": "team-b", "name": "shared", "pool": "prefill"}
+    assert REGISTRY.get_sample_value(m.AUTOSCALER_DESIRED.name, labels) == 4
+    assert first.desired is second.desired
+
+
+@pytest.mark.parametrize(("deployment", "pods", "expected"), [
+    ({"status": {"readyReplicas": 3}}, [], t.PoolCounts(3, 0)),
+    ({"status": {}}, [], t.PoolCounts(0, 0)),  # the API omits zero counts
+    (None, [], t.PoolCounts(0, 0)),  # not created yet
+    ({"status": {"readyReplicas": 2}}, [{"status": {"phase": "Pending", "conditions": [
+        {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}]}}], t.PoolCounts(2, 1)),
+])
+def test_pool_counts_from_api_objects(deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
+                                      expected: t.PoolCounts) -> None:
+    assert t.pool_counts(deployment, pods) == expected

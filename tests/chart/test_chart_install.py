@@ -74,6 +74,7 @@ class Installed:
     kubeconfig: Path  # the chart ServiceAccount's token, nothing else
     cluster_role: dict[str, Any]
     workdir: Path
+    notes: str  # what `helm install` printed
 
     def kubectl(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl(*args, **kwargs)  # type: ignore[no-any-return]
@@ -151,7 +152,8 @@ def installed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
         kubeconfig["current-context"] = "chart"
         (workdir / "kubeconfig").write_text(json.dumps(kubeconfig))
         cluster_role = next(d for d in docs if d["kind"] == "ClusterRole")
-        yield Installed(k8s_cluster, list(container["args"]), workdir / "kubeconfig", cluster_role, workdir)
+        yield Installed(k8s_cluster, list(container["args"]), workdir / "kubeconfig", cluster_role, workdir,
+                        proc.stdout)
     finally:
         k8s_cluster.kubectl("delete", "dm", "--all", "-n", WORK_NS, "--timeout=30s", check=False)
         subprocess.run([helm_binary(), "uninstall", RELEASE, "-n", RELEASE_NS], env=env, capture_output=True,
@@ -213,6 +215,9 @@ def _healthz(port: int) -> bool:
 
 
 def test_chart_install_then_minimal_sample_becomes_ready(installed: Installed) -> None:
+    # The NOTES tell a first-time user how to apply a resource and how to upgrade CRDs.
+    assert "kind: DisaggregatedModel" in installed.notes and "kubectl wait dm/" in installed.notes
+    assert "Helm never upgrades CRDs" in installed.notes
     assert installed.cluster_role["rules"] == rbac.cluster_role_rules()
     problem = run_lifecycle(installed, "tiny", timeout=60)
     assert problem is None, problem

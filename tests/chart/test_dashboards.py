@@ -97,7 +97,7 @@ def test_every_metric_name_in_dashboards_and_rules_exists() -> None:
         exposed = m.exposed_name(metric)
         known |= {exposed} if metric.kind != "histogram" else {f"{metric.name}_{s}" for s in ("bucket", "count", "sum")}
     texts = [p.read_text() for p in DASHBOARDS.glob("*.json")]
-    texts.append((DASHBOARDS.parent / "rules" / "tandem-rules.yaml").read_text())
+    texts.append((DASHBOARDS.parent / "files" / "tandem-rules.yaml").read_text())
     tokens = {t for text in texts for t in re.findall(r"\btandem_[a-z0-9_]+\b", text)}
     tokens -= {"tandem_dev_model"}  # the target label holding the DisaggregatedModel name
     assert tokens, "found no metric names at all"

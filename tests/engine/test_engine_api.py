@@ -190,3 +190,12 @@ def test_bfloat16_runs(tiny_model_dir: Path, engine: LLMEngine) -> None:
     assert len(tokens) == GREEDY.max_tokens
     # bfloat16 rounding may change later tokens of a random model, not the first few
     assert tokens[:2] == engine.generate([prompt], GREEDY)[0][:2]
+
+
+def test_kv_budget_from_a_fraction_of_memory(tiny_model_dir: Path) -> None:
+    from tandem.worker.engine.kv_budget import available_ram_bytes
+
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), kv_cache_fraction=1e-4))
+    budget = engine.stats().num_total_blocks * engine.kv_layout.bytes_per_block
+    assert 0.8e-4 * available_ram_bytes() <= budget + engine.kv_layout.bytes_per_block <= 1.2e-4 * available_ram_bytes()
+    assert engine.kv_cache.numel() * engine.kv_cache.element_size() == budget

@@ -103,3 +103,20 @@ def test_sharded_checkpoint_with_index(hf_model: Callable[..., HFModel]) -> None
     assert len(shards) > 1 and (hf.path / "model.safetensors.index.json").is_file()
     prompts = random_prompts((25, 8), seed=10)
     _assert_parity(hf, hf.engine().generate(prompts, _params()), prompts)
+
+
+def test_logprobs_match_transformers(hf_model: Callable[..., HFModel]) -> None:
+    import torch
+
+    hf = hf_model("qwen2")
+    [prompt] = random_prompts((23,), seed=11)
+    engine = hf.engine()
+    engine.add_request("lp", prompt, dataclasses.replace(GREEDY, max_tokens=5, logprobs=True))
+    outs = list(engine.iter_outputs())
+    tokens = [t for o in outs for t in o.new_token_ids]
+    got = [lp for o in outs for lp in (o.logprobs or [])]
+    ref = hf.model.generate(torch.tensor([prompt]), max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True)
+    expected = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(ref.logits, tokens, strict=True)]
+    assert tokens == ref.sequences[0, len(prompt):].tolist()
+    assert got == pytest.approx(expected, abs=1e-4)

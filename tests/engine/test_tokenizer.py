@@ -58,3 +58,23 @@ def test_missing_tokenizer_and_template_errors(tmp_path: Path, tiny_model_dir: P
     (tmp_path / "tokenizer.json").write_text((tiny_model_dir / "tokenizer.json").read_text())
     with pytest.raises(ValueError, match="no chat template"):
         Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_word_initial_spaces_survive_for_sentencepiece_style_tokenizers(tmp_path: Path) -> None:
+    """Metaspace tokenizers drop the space of a text's first word when decoding it alone; the
+    detokenizer decodes new tokens together with the tokens before them, so a continuation keeps it."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    tok.train_from_iterator(["hello world, the quick brown fox jumps over the lazy dog"] * 5,
+                            trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>"], show_progress=False))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = Tokenizer(tmp_path)
+    prompt = tokenizer.encode("hello world,")
+    continuation = tokenizer.encode("hello world, the quick fox")[len(prompt):]
+    assert tokenizer.decode(continuation) == "the quick fox"  # decoded alone: the leading space is gone
+    detok = tokenizer.new_detokenizer(prompt)
+    assert "".join(detok.push(t) for t in continuation) == " the quick fox"

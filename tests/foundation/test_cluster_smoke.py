@@ -50,7 +50,13 @@ def wait_until(predicate, timeout: float, what: str):  # type: ignore[no-untyped
 def test_nodes_show_gpu_pools(k8s_cluster) -> None:  # type: ignore[no-untyped-def]
     out = k8s_cluster.kubectl("get", "nodes", "-L", "tandem.dev/pool").stdout
     assert "prefill-0" in out and "decode-7" in out, out
-    nodes = k8s_cluster.kubectl_json("get", "nodes")["items"]
+    nodes = [n for n in k8s_cluster.kubectl_json("get", "nodes")["items"]
+             if n["metadata"]["labels"]["tandem.dev/pool"] in ("prefill", "decode")]
+    system = [n for n in k8s_cluster.kubectl_json("get", "nodes", "-l", "tandem.dev/pool=system")["items"]]
+    # The untainted, GPU-less system pool is where routers and the operator run.
+    assert len(system) == 2
+    assert not [t for n in system for t in n["spec"].get("taints", []) if t["key"] == "tandem.dev/pool"]
+    assert all("nvidia.com/gpu" not in n["status"]["allocatable"] for n in system)
     pools = {}
     for node in nodes:
         pool = node["metadata"]["labels"]["tandem.dev/pool"]

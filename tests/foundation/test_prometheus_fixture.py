@@ -15,7 +15,7 @@ def test_scrapes_an_exporter_and_reads_value_back(prometheus) -> None:  # type: 
     registry = CollectorRegistry()
     gauge = Gauge("tandem_fixture_probe", "A value the test sets", ["pool"], registry=registry)
     gauge.labels(pool="decode").set(0.75)
-    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    server, _thread = start_http_server(0, addr="127.0.0.1", registry=registry)
     try:
         port = server.server_port
         prom = prometheus([f"127.0.0.1:{port}"])

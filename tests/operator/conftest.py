@@ -63,31 +63,12 @@ def sample() -> Callable[[str], dict[str, Any]]:
     return load_sample
 
 
-# --- integration: a namespace, the CRD, a CPU node and a running operator ---------------------
+# --- integration: a namespace, the CRD and a running operator ---------------------
 
 sys.path.insert(0, str(Path(__file__).parent))
 from operator_harness import OperatorProcess, wait_for  # noqa: E402
 
 CRD = REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml"
-CPU_NODE = "op-test-cpu-0"
-
-
-def _cpu_node() -> dict[str, Any]:
-    """An untainted kwok node without GPUs, where the router pods go.
-
-    hack/cluster-nodes.json only has the tainted GPU pools; a real cluster has such nodes for
-    its system workloads, and without one the router stays Pending (correctly reported as Degraded).
-    """
-    resources = {"cpu": "32", "memory": "128Gi", "pods": "110"}
-    return {
-        "apiVersion": "v1", "kind": "Node",
-        "metadata": {"name": CPU_NODE, "labels": {"type": "kwok", "kubernetes.io/hostname": CPU_NODE,
-                                                  "kubernetes.io/os": "linux", "tandem.dev/test": "operator"},
-                     "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"}},
-        "status": {"capacity": resources, "allocatable": resources},
-    }
-
-
 class Testbed:
     """What an operator integration test works with."""
 
@@ -124,7 +105,7 @@ def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
                         "crd/disaggregatedmodels.tandem.dev")
     k8s_cluster.kubectl("create", "namespace", namespace)
-    k8s_cluster.kubectl("apply", "-f", "-", input=json.dumps(_cpu_node()))
+    # Router pods land on the cluster's untainted `system` pool (hack/cluster-nodes.json).
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, tmp_path_factory.mktemp("operator") / "operator.log",
                                k8s_cluster.env)
     operator.start()
@@ -137,4 +118,3 @@ def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         k8s_cluster.kubectl("delete", "disaggregatedmodels", "--all", "-n", namespace, "--timeout=60s", check=False)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
-        k8s_cluster.kubectl("delete", "node", CPU_NODE, "--wait=false", check=False)

@@ -24,7 +24,6 @@ from tandem.worker.transfer.conformance import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-NUM_KV = 2 * TINY_LAYOUT.num_layers  # (layer, K/V) pairs
 
 
 def failures(telemetry, transport: str, reason: str) -> float:
@@ -89,8 +88,8 @@ def test_small_and_large_batches(transport: str, blocks: int, frame_bytes: int, 
             transfer.send_layer(layer, src_ids)
         result = transfer.finish()
         assert done.wait(5) is None
-        per_frame = max(1, frame_bytes // TINY_LAYOUT.bytes_per_block_layer_kv)
-        assert result.frames == NUM_KV * -(-blocks // per_frame)
+        per_frame = max(1, frame_bytes // (2 * TINY_LAYOUT.bytes_per_block_layer_kv))
+        assert result.frames == TINY_LAYOUT.num_layers * -(-blocks // per_frame)  # K and V share a frame
         assert torch.equal(pair.dst[:, :, dst_ids], pair.src[:, :, src_ids])
 
 
@@ -147,7 +146,7 @@ def test_corrupt_frame_is_rejected_and_never_written(transport: str) -> None:
         peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
         try:
             payload = b"\x01" * (len(dst_ids) * TINY_LAYOUT.bytes_per_block_layer_kv)
-            peer.send_frame("req-bad", 0, 0, dst_ids, payload, flip_byte=17)
+            peer.send_frame("req-bad", 0, dst_ids, payload, payload, flip_byte=17)
             error = done.wait(5)
             assert error is not None and error.reason == "corrupt_frame"
             _kind, body = peer.recv(5)
@@ -159,12 +158,14 @@ def test_corrupt_frame_is_rejected_and_never_written(transport: str) -> None:
         assert failures(pair.recv_telemetry, transport, "corrupt_frame") == 1
 
 
-@pytest.mark.parametrize(("dst_ids", "frame_ids", "layer", "why"), [
-    ([4, 5, 6], [4, 5, 9], 0, "outside the reservation"),
-    ([4, 5, 6], [4, 5, 6], 7, "out of range"),
-])
+@pytest.mark.parametrize(("dst_ids", "frame_ids", "layer", "kind", "why"), [
+    ([4, 5, 6], [4, 5, 9], 0, 2, "outside the reservation"),
+    ([4, 5, 6], [4, 5, 6], 7, 2, "out of range"),
+    ([4, 5, 6], [4, 5, 6], 0, 0, "not kind 0"),
+], ids=["foreign-block", "bad-layer", "k-only-frame"])
 def test_misaddressed_frame_is_rejected_and_never_written(transport: str, dst_ids: list[int],
-                                                          frame_ids: list[int], layer: int, why: str) -> None:
+                                                          frame_ids: list[int], layer: int, kind: int,
+                                                          why: str) -> None:
     if transport != "tcp":
         pytest.skip("frames are injected with the tcp wire protocol")
     with transport_pair(transport) as pair:
@@ -172,8 +173,8 @@ def test_misaddressed_frame_is_rejected_and_never_written(transport: str, dst_id
         pair.receiver.expect("req-misaddressed", dst_ids, 10.0, done)
         peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
         try:
-            payload = bytes(len(frame_ids) * TINY_LAYOUT.bytes_per_block_layer_kv)
-            peer.send_frame("req-misaddressed", layer, 0, frame_ids, b"\x01" * len(payload))
+            payload = b"\x01" * (len(frame_ids) * TINY_LAYOUT.bytes_per_block_layer_kv)
+            peer.send_frame("req-misaddressed", layer, frame_ids, payload, payload, kind=kind)
             error = done.wait(5)
         finally:
             peer.close()

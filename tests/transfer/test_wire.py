@@ -122,3 +122,18 @@ def test_read_then_write_moves_exact_blocks(src_ids: list[int]) -> None:
     assert torch.equal(dst[1, 1, [5, 1, 0]], src[1, 1, src_ids])
     dst[1, 1, [5, 1, 0]] = 0
     assert not dst.any()
+
+
+def test_a_kv_frame_counts_for_both_k_and_v() -> None:
+    reservation = Reservation("t", torch.tensor([1, 2]), num_layers=1, deadline=1e18, on_done=lambda *_: None)
+    positions = reservation.positions(0, wire.KV, torch.tensor([1, 2]))
+    reservation.mark(0, wire.KV, positions, 4 * UNIT)
+    assert reservation.complete
+    with pytest.raises(TransferError, match="twice"):
+        reservation.positions(0, wire.V, torch.tensor([2]))
+
+
+def test_swapping_k_and_v_parts_changes_the_digest() -> None:
+    k, v = random_payload(33, seed=1), random_payload(33, seed=2)
+    assert (wire.frame_digest(0, 0, wire.KV, 33, 2 * len(k), b"t", b"", k, v)
+            != wire.frame_digest(0, 0, wire.KV, 33, 2 * len(k), b"t", b"", v, k))

@@ -108,11 +108,11 @@ class ModelConfig:
 
 
 def _model_name(raw: dict[str, Any], path: Path) -> str:
-    name = raw.get("_name_or_path") or ""
+    name = str(raw.get("_name_or_path") or "")
     # A local path written by save_pretrained says nothing about the model; use the folder name.
-    if not name or ("/" in name and Path(name).is_absolute()):
+    if not name or Path(name).is_absolute() or name.startswith("."):
         name = path.resolve().name
-    return str(name)
+    return name
 
 
 def _rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

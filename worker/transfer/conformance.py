@@ -163,17 +163,18 @@ class RawTcpPeer:
             raise TimeoutError("no reply from the receiver")
         return self.sock.recv_multipart()
 
-    def send_frame(self, transfer_id: str, layer: int, kind: int, dst_ids: list[int], payload: bytes,
-                   flip_byte: int | None = None) -> None:
-        """Send one data frame; with flip_byte, that payload byte is flipped after the digest is taken."""
+    def send_frame(self, transfer_id: str, layer: int, dst_ids: list[int], k_payload: bytes, v_payload: bytes,
+                   flip_byte: int | None = None, kind: int = wire.KV) -> None:
+        """Send one data frame; with flip_byte, that V-payload byte is flipped after the digest is taken."""
         raw_id = transfer_id.encode()
         ids = struct.pack(f"<{len(dst_ids)}i", *dst_ids)
-        body = bytearray(payload)
-        digest = wire.frame_digest(0, layer, kind, len(dst_ids), len(body), raw_id, ids, body)
+        k_body, v_body = bytearray(k_payload), bytearray(v_payload)
+        nbytes = len(k_body) + len(v_body)
+        digest = wire.frame_digest(0, layer, kind, len(dst_ids), nbytes, raw_id, ids, k_body, v_body)
         if flip_byte is not None:
-            body[flip_byte] ^= 0x40
-        header = wire.pack_header(0, layer, kind, len(dst_ids), len(body), digest)
-        self.sock.send_multipart([wire.DATA, header, raw_id, ids, bytes(body)])
+            v_body[flip_byte] ^= 0x40
+        header = wire.pack_header(0, layer, kind, len(dst_ids), nbytes, digest)
+        self.sock.send_multipart([wire.DATA, header, raw_id, ids, bytes(k_body), bytes(v_body)])
 
     def close(self) -> None:
         self.sock.close()

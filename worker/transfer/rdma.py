@@ -191,8 +191,12 @@ class RdmaConnection(TcpConnection):
         self._verbs.connect(self._qp, self._psn, remote)
         self._remote_base, self._rkey = int(remote["addr"]), int(remote["rkey"])
 
-    def transmit(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
-                 dst: torch.Tensor) -> None:
+    def transmit(self, transfer: OutgoingTransfer, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        for kind in (wire.K, wire.V):
+            self._write(transfer, layer, kind, src, dst)
+
+    def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
+               dst: torch.Tensor) -> None:
         e, wr_mod = self._verbs.e, self._verbs.m["wr"]
         unit = self.layout.bytes_per_block_layer_kv
         src_list, dst_list = src.tolist(), dst.tolist()

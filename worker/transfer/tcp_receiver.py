@@ -174,7 +174,7 @@ class TcpReceiver:
 
     def _handle(self, parts: list[zmq.Frame]) -> None:
         identity, kind = parts[0].bytes, parts[1].bytes if len(parts) > 1 else b""
-        if kind == wire.DATA and len(parts) == 6:
+        if kind == wire.DATA and len(parts) == 7:
             self._on_data(identity, parts)
         elif kind == wire.HELLO and len(parts) == 3:
             self._on_hello(identity, parts[2], source_fd(parts[1]))
@@ -290,7 +290,11 @@ class TcpReceiver:
                 reservation.claim(session_id)  # frames may overtake BEGIN (it travels on stream 0)
                 try:
                     header = wire.unpack_header(parts[2].buffer)
-                    dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, parts[5].buffer)
+                    if header.kind != wire.KV:
+                        raise TransferError(INVALID_FRAME, f"a tcp frame carries K and V (kind {wire.KV}), "
+                                            f"not kind {header.kind}", transfer_id)
+                    k_part, v_part = parts[5].buffer, parts[6].buffer
+                    dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, k_part, v_part)
                     positions = reservation.positions(header.layer, header.kind, dst_ids)
                 except ValueError as exc:
                     error: TransferError | None = TransferError(INVALID_FRAME, str(exc), transfer_id)
@@ -298,8 +302,9 @@ class TcpReceiver:
                     error = exc
                 else:
                     error = None
-                    write_blocks(self.kv_cache, header.layer, header.kind, dst_ids, parts[5].buffer)
-                    reservation.mark(header.layer, header.kind, positions, len(parts[5].buffer))
+                    write_blocks(self.kv_cache, header.layer, wire.K, dst_ids, k_part)
+                    write_blocks(self.kv_cache, header.layer, wire.V, dst_ids, v_part)
+                    reservation.mark(header.layer, header.kind, positions, len(k_part) + len(v_part))
         if unknown:
             self._reply_unknown(self._control_identity(identity), transfer_id, finishing=False)
             return

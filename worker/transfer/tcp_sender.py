@@ -80,12 +80,11 @@ class OutgoingTransfer:
                              f"the {self._dst_ids.numel()} destination blocks")
         if bool(self._sent[layer, :, dst_start:dst_start + src.numel()].any()):
             raise ValueError(f"send_layer({layer}): some of these destination blocks were already sent")
-        per_frame = max(1, conn.frame_bytes // conn.layout.bytes_per_block_layer_kv)
-        for kind in (wire.K, wire.V):
-            for first in range(0, src.numel(), per_frame):
-                src_chunk = src[first:first + per_frame]
-                dst_chunk = self._dst_ids[dst_start + first:dst_start + first + src_chunk.numel()]
-                conn.transmit(self, layer, kind, src_chunk, dst_chunk)
+        per_frame = max(1, conn.frame_bytes // (2 * conn.layout.bytes_per_block_layer_kv))
+        for first in range(0, src.numel(), per_frame):
+            src_chunk = src[first:first + per_frame]
+            dst_chunk = self._dst_ids[dst_start + first:dst_start + first + src_chunk.numel()]
+            conn.transmit(self, layer, src_chunk, dst_chunk)
         self._sent[layer, :, dst_start:dst_start + src.numel()] = True
 
     def finish(self) -> TransferResult:
@@ -197,21 +196,21 @@ class TcpConnection:
     def _on_welcome(self, reply: dict[str, Any]) -> None:
         pass
 
-    def transmit(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
-                 dst: torch.Tensor) -> None:
-        """Send one frame: kv_cache[layer, kind, src] into the receiver's blocks dst."""
-        nbytes = src.numel() * self.layout.bytes_per_block_layer_kv
+    def transmit(self, transfer: OutgoingTransfer, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Send one frame: K and V of kv_cache[layer, :, src] into the receiver's blocks dst."""
+        nbytes = 2 * src.numel() * self.layout.bytes_per_block_layer_kv
         seq = self.reserve_frame(transfer, nbytes)
         try:
-            payload = read_blocks(self.kv_cache, layer, kind, src)
+            k_part = read_blocks(self.kv_cache, layer, wire.K, src)
+            v_part = read_blocks(self.kv_cache, layer, wire.V, src)
         except Exception as exc:
             self.fail(transfer, TransferError(ABORTED, f"could not read source blocks: {exc}",
                                               transfer.transfer_id), tell_receiver=True)
             raise
         ids = struct.pack(f"<{dst.numel()}i", *dst.tolist())
-        digest = wire.frame_digest(seq, layer, kind, src.numel(), nbytes, transfer.raw_id, ids, payload)
-        header = wire.pack_header(seq, layer, kind, src.numel(), nbytes, digest)
-        self.enqueue(transfer, [wire.DATA, header, transfer.raw_id, ids, payload], data=True)
+        digest = wire.frame_digest(seq, layer, wire.KV, src.numel(), nbytes, transfer.raw_id, ids, k_part, v_part)
+        header = wire.pack_header(seq, layer, wire.KV, src.numel(), nbytes, digest)
+        self.enqueue(transfer, [wire.DATA, header, transfer.raw_id, ids, k_part, v_part], data=True)
 
     def prepare_finish(self, transfer: OutgoingTransfer) -> dict[str, Any]:
         """Extra FINISH fields; tcp frames were each verified on arrival, so none."""

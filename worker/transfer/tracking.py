@@ -78,27 +78,31 @@ class Reservation:
         if not 0 <= layer < self.num_layers:
             raise TransferError(INVALID_FRAME, f"layer {layer} out of range 0..{self.num_layers - 1}",
                                 self.transfer_id)
-        if kind not in (wire.K, wire.V):
-            raise TransferError(INVALID_FRAME, f"kind {kind} is neither K (0) nor V (1)", self.transfer_id)
+        if kind not in (wire.K, wire.V, wire.KV):
+            raise TransferError(INVALID_FRAME, f"kind {kind} is not K (0), V (1) or KV (2)", self.transfer_id)
         idx = torch.searchsorted(self._sorted_ids, dst_ids).clamp_(max=self._sorted_ids.numel() - 1)
         if not bool(torch.equal(self._sorted_ids[idx], dst_ids)):
             raise TransferError(INVALID_FRAME, "frame names blocks outside the reservation", self.transfer_id)
         positions = self._order[idx]
         if torch.unique(positions).numel() != positions.numel():
             raise TransferError(INVALID_FRAME, "frame repeats a block", self.transfer_id)
-        if bool(self._received[layer, kind, positions].any()):
-            raise TransferError(INVALID_FRAME, f"layer {layer} {'KV'[kind]}: a block arrived twice",
-                                self.transfer_id)
+        if bool(self._received[layer, _kinds(kind)][:, positions].any()):
+            raise TransferError(INVALID_FRAME, f"layer {layer}: a block arrived twice", self.transfer_id)
         return positions
 
     def mark(self, layer: int, kind: int, positions: torch.Tensor, nbytes: int) -> None:
-        self._received[layer, kind, positions] = True
-        self._remaining -= positions.numel()
+        kinds = _kinds(kind)
+        self._received[layer, kinds[0]:kinds[-1] + 1, positions] = True
+        self._remaining -= positions.numel() * len(kinds)
         self.bytes_received += nbytes
 
 
+def _kinds(kind: int) -> list[int]:
+    return [wire.K, wire.V] if kind == wire.KV else [kind]
+
+
 def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: bytes,
-                     ids_part: memoryview, payload: memoryview) -> torch.Tensor:
+                     ids_part: memoryview, *payloads: memoryview) -> torch.Tensor:
     """Check a frame's sizes and digest against the layout; return its destination block ids.
 
     Raises TransferError(INVALID_FRAME) for sizes that do not fit, CORRUPT_FRAME for a bad checksum.
@@ -110,13 +114,15 @@ def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: by
         raise TransferError(INVALID_FRAME, f"frame lists {len(ids_part) // 4} block ids but its header "
                             f"says {header.block_count}", tid)
     expected = header.block_count * layout.bytes_per_block_layer_kv
-    if header.byte_count != expected or len(payload) != expected:
+    sizes = [len(payload) for payload in payloads]
+    if header.byte_count != expected * len(payloads) or any(size != expected for size in sizes):
         raise TransferError(INVALID_FRAME, f"frame of {header.block_count} blocks must carry {expected} bytes "
-                            f"for this layout; header says {header.byte_count}, payload has {len(payload)}", tid)
+                            f"per K/V part for this layout; header says {header.byte_count} in all, parts have "
+                            f"{sizes}", tid)
     digest = wire.frame_digest(header.seq, header.layer, header.kind, header.block_count, header.byte_count,
-                               transfer_id, ids_part, payload)
+                               transfer_id, ids_part, *payloads)
     if digest != header.digest:
         raise TransferError(CORRUPT_FRAME, f"checksum mismatch on frame {header.seq} (layer {header.layer}, "
-                            f"{'KV'[header.kind] if header.kind in (0, 1) else '?'}): the frame was damaged "
+                            f"{('K', 'V', 'K+V')[header.kind] if header.kind in (0, 1, 2) else '?'}): the frame was damaged "
                             "in transit", tid)
     return torch.frombuffer(ids_part, dtype=torch.int32).to(torch.int64)

@@ -1,8 +1,9 @@
 """Wire format of the KV transfer: message kinds, the handshake, and data-frame headers.
 
 Every zmq message starts with a one-byte kind. Control messages carry one JSON part.
-A data frame (tcp) is five parts: kind, header, transfer id, destination block ids
-(little-endian int32), payload. The header holds sequence number, layer, K/V, block
+A data frame (tcp) is six parts: kind, header, transfer id, destination block ids
+(little-endian int32), K payload, V payload (K and V of the same blocks of one layer travel
+together: half the frames, and each part still goes out zero-copy). The header holds sequence number, layer, K/V, block
 count, byte count and a digest: a CRC32 over the header fields, transfer id and block ids,
 plus two 64-bit sums over the payload (plain, and position-weighted per 4 KiB row). Any
 flipped bit, truncation or reordered row is caught before anything touches the cache.
@@ -38,7 +39,7 @@ DONE = b"d"  # receiver -> sender: every expected block arrived and verified
 ABORT = b"X"  # sender -> receiver: the sender gave up
 FAILED = b"E"  # receiver -> sender: the transfer failed on the receiving side
 
-K, V = 0, 1
+K, V, KV = 0, 1, 2  # a tcp frame carries K and V of the same blocks (KV); rdma pieces are K or V
 
 _HEADER = struct.Struct("<QIBIQQQI")  # seq, layer, kind, block_count, byte_count, digest (sum, wsum, crc)
 HEADER_SIZE = _HEADER.size
@@ -126,23 +127,29 @@ def payload_sums(payload: bytes | bytearray | memoryview) -> tuple[int, int, mem
         return 0, 0, view
     source = view if not view.readonly else memoryview(bytearray(view[:body]))
     rows = torch.empty(body // _ROW_BYTES, dtype=torch.int64)
+    words = torch.frombuffer(source, dtype=torch.int64, count=body // 8).view(-1, _ROW_BYTES // 8)
     # Chunks small enough that torch stays on this thread: its intra-op pool busy-waits, and
     # on a small machine those spinning threads starve the sockets (measured: 10x slower).
-    for offset in range(0, body, _CHUNK_BYTES):
-        end = min(body, offset + _CHUNK_BYTES)
-        words = torch.frombuffer(source[offset:end], dtype=torch.int64).view(-1, _ROW_BYTES // 8)
-        torch.sum(words, 1, out=rows[offset // _ROW_BYTES:end // _ROW_BYTES])
+    step = _CHUNK_BYTES // _ROW_BYTES
+    for first in range(0, rows.numel(), step):
+        torch.sum(words[first:first + step], 1, out=rows[first:first + step])
     weights = torch.arange(1, 2 * rows.numel(), 2, dtype=torch.int64)
     return int(rows.sum()) & _MASK64, int((rows * weights).sum()) & _MASK64, view[body:]
 
 
-def frame_digest(seq: int, layer: int, kind: int, block_count: int, byte_count: int,
-                 transfer_id: bytes, block_ids: bytes | memoryview, payload: bytes | bytearray | memoryview) -> Digest:
-    plain, weighted, tail = payload_sums(payload)
+def frame_digest(seq: int, layer: int, kind: int, block_count: int, byte_count: int, transfer_id: bytes,
+                 block_ids: bytes | memoryview, *payloads: bytes | bytearray | memoryview) -> Digest:
+    """Digest of a frame; several payload parts (K then V) are weighted by their order."""
     crc = zlib.crc32(_UNCHECKED.pack(seq, layer, kind, block_count, byte_count))
     crc = zlib.crc32(transfer_id, crc)
     crc = zlib.crc32(block_ids, crc)
-    return plain, weighted, zlib.crc32(tail, crc)
+    plain = weighted = 0
+    for index, payload in enumerate(payloads):
+        part_plain, part_weighted, tail = payload_sums(payload)
+        plain = (plain + (2 * index + 1) * part_plain) & _MASK64
+        weighted = (weighted + (2 * index + 1) * part_weighted) & _MASK64
+        crc = zlib.crc32(tail, crc)
+    return plain, weighted, crc
 
 
 def pack_header(seq: int, layer: int, kind: int, block_count: int, byte_count: int, digest: Digest) -> bytes:
