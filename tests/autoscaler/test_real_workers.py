@@ -1,0 +1,147 @@
+"""Signals and decisions from real worker processes under load from `tandem bench`.
+
+`tandem serve --mode disaggregated` runs one prefill and one decode worker (tiny random model, a
+1 MiB KV cache each, so a burst of requests fills it); Debian's Prometheus scrapes both workers'
+/metrics and adds `namespace` as the Kubernetes scrape would; `tandem bench` sends a burst. The
+timer body, reading through PrometheusSignals, must see the prefill queue grow and the decode KV
+cache fill, and scale both pools up; once the burst is served the signals fall back.
+
+`tandem serve` labels every worker pool="local" (roles prefill and decode), where a Kubernetes
+pool label is prefill or decode: `LocalStackSignals` maps one onto the other by narrowing on the
+role, which is all that differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tandem.operator import autoscaler_timer as t
+from tandem.operator import signals as sig
+from tandem.operator.api import DisaggregatedModelSpec
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NAMESPACE, MODEL = "team-a", "tiny"
+
+
+class LocalStackSignals:
+    """PrometheusSignals for a `tandem serve` stack: pool "local", narrowed by role."""
+
+    def __init__(self, inner: sig.PrometheusSignals) -> None:
+        self.inner = inner
+
+    def fetch(self, pool: str, sel: sig.Selector) -> sig.PoolSignals:
+        return self.inner.fetch(pool, sig.Selector(sel.namespace, sel.model, "local", role=pool))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    from tandem.worker.model.tiny import write_tiny_model
+
+    work = tmp_path_factory.mktemp("autoscale-stack")
+    model = write_tiny_model(work / "tiny")
+    state_file, port = work / "state.json", free_port()
+    log = (work / "serve.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tandem.worker.cli", "serve", "--model", str(model), "--model-name", MODEL,
+         "--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1", "--port", str(port),
+         "--kv-cache-bytes", str(1 << 20), "--log-dir", str(work / "logs"), "--state-file", str(state_file)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not state_file.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"tandem serve did not come up:\n{(work / 'serve.log').read_text()[-3000:]}")
+            time.sleep(0.2)
+        yield json.loads(state_file.read_text())
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        log.close()
+
+
+def spec() -> DisaggregatedModelSpec:
+    auto = {"enabled": True, "maxReplicas": 8}
+    return DisaggregatedModelSpec.model_validate({
+        "model": {"name": MODEL, "source": {"path": "/models/tiny"}},
+        "prefill": {"replicas": 1, "autoscaling": {**auto, "targetQueueDepth": 2}},
+        "decode": {"replicas": 1, "autoscaling": {**auto, "targetKVUtilization": 0.5}},
+        "ratio": {"minPrefillPerDecode": 0, "maxPrefillPerDecode": 8},
+    })
+
+
+def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[str, Any], prometheus: Any,
+                                                                   tmp_path: Path) -> None:
+    workers = [p for p in stack["processes"] if p["role"] in ("prefill", "decode")]
+    assert {p["role"] for p in workers} == {"prefill", "decode"}, stack
+    prom = prometheus([p["url"].removeprefix("http://") for p in workers],
+                      extra_labels={"namespace": NAMESPACE}, scrape_interval="500ms")
+    source = LocalStackSignals(sig.PrometheusSignals(prom.url, timeout_s=3,
+                                                     settings=sig.QuerySettings(rate_window="10s")))
+    prefill_sel = sig.Selector(NAMESPACE, MODEL, "prefill")
+    deadline = time.monotonic() + 30
+    while source.fetch("prefill", prefill_sel).get(sig.QUEUE_REQUESTS) is None:
+        assert time.monotonic() < deadline, "the workers' series never reached Prometheus"
+        time.sleep(0.5)
+    idle = source.fetch("decode", sig.Selector(NAMESPACE, MODEL, "decode"))
+    assert idle.get(sig.KV_USAGE) is not None and idle.values[sig.KV_USAGE] < 0.5
+
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tandem.worker.cli", "bench", "--url", stack["url"], "--model", MODEL,
+         "-n", "160", "--rate", "0", "--prompt-tokens", "256", "--output-tokens", "64",
+         "--max-duration", "90", "--json", str(tmp_path / "bench.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counts = {"prefill": t.PoolCounts(1), "decode": t.PoolCounts(1)}
+    peak: dict[str, float] = {"queue": 0.0, "kv": 0.0}
+    scaled: dict[str, int] = {"prefill": 1, "decode": 1}
+    reasons: dict[str, str] = {}
+    try:
+        while bench.poll() is None:
+            result = t.autoscale_tick(spec=spec(), status=None, namespace=NAMESPACE, counts=counts,
+                                      signals=source, clock=time.time)
+            for pool, dec in result.decisions.items():
+                if dec.desired > scaled[pool]:
+                    scaled[pool], reasons[pool] = dec.desired, "; ".join(dec.reasons)
+            peak["queue"] = max(peak["queue"], result.decisions["prefill"].signal or 0.0)
+            peak["kv"] = max(peak["kv"], result.decisions["decode"].signal or 0.0)
+            time.sleep(0.3)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        out = bench.communicate()[0]
+    assert bench.returncode == 0, out[-2000:]
+    assert peak["queue"] > 2, f"the prefill queue never grew past its target: {peak}"
+    assert peak["kv"] > 0.5, f"the decode KV cache never filled past its target: {peak}"
+    assert scaled["prefill"] > 1 and "vs target 2" in reasons["prefill"], reasons
+    assert scaled["decode"] > 1 and "vs target 0.5" in reasons["decode"], reasons
+
+    # The burst is served: the queue empties and the KV cache is freed.
+    deadline = time.monotonic() + 30
+    while True:
+        after = {p: source.fetch(p, sig.Selector(NAMESPACE, MODEL, p)) for p in ("prefill", "decode")}
+        if after["prefill"].get(sig.QUEUE_REQUESTS) == 0 and (after["decode"].get(sig.KV_USAGE) or 1) < 0.5:
+            break
+        assert time.monotonic() < deadline, f"signals did not fall back after the burst: {after}"
+        time.sleep(0.5)
