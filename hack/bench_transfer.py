@@ -93,36 +93,31 @@ def raw_server(port_out: Any, max_size: int) -> None:
         conn.sendall(b"k")
 
 
-def run_raw(sizes: list[int], seconds: float) -> tuple[dict[int, list[float]], dict[int, float]]:
-    parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=raw_server, args=(child, max(sizes)), daemon=True)
-    proc.start()
-    port = parent.recv()
-    sock = socket.create_connection(("127.0.0.1", port))
-    payload = bytearray(os.urandom(1024)) * (max(sizes) // 1024)
-    view = memoryview(payload)
-    times: dict[int, list[float]] = {}
-    cpu: dict[int, float] = {}
+class RawClient:
+    """Plain-socket transfers to a child process: the ceiling."""
 
-    def cpu_now() -> float:
-        sock.sendall((0).to_bytes(8, "little"))
-        return time.process_time() + float(struct.unpack("<d", sock.recv(8, socket.MSG_WAITALL))[0])
+    def __init__(self, max_size: int) -> None:
+        parent, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=raw_server, args=(child, max_size), daemon=True)
+        self.proc.start()
+        self.sock = socket.create_connection(("127.0.0.1", parent.recv()))
+        self.payload = memoryview(bytearray(os.urandom(1024)) * (max_size // 1024 + 1))
 
-    for size in sizes:
-        times[size] = []
-        cpu_start = cpu_now()
-        stop = time.monotonic() + seconds
-        while time.monotonic() < stop or len(times[size]) < 5:
-            start = time.perf_counter()
-            sock.sendall(size.to_bytes(8, "little"))
-            sock.sendall(view[:size])
-            if sock.recv(1) != b"k":
-                raise RuntimeError("raw receiver went away")
-            times[size].append(time.perf_counter() - start)
-        cpu[size] = (cpu_now() - cpu_start) / (size * len(times[size]) / 2**30)
-    sock.close()
-    proc.join(timeout=5)
-    return times, cpu
+    def cpu_now(self) -> float:
+        self.sock.sendall((0).to_bytes(8, "little"))
+        return time.process_time() + float(struct.unpack("<d", self.sock.recv(8, socket.MSG_WAITALL))[0])
+
+    def transfer(self, size: int) -> float:
+        start = time.perf_counter()
+        self.sock.sendall(size.to_bytes(8, "little"))
+        self.sock.sendall(self.payload[:size])
+        if self.sock.recv(1) != b"k":
+            raise RuntimeError("raw receiver went away")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.join(timeout=5)
 
 
 # --- tandem tcp transport --------------------------------------------------------------------
@@ -154,45 +149,65 @@ def tcp_server(conn: Any, num_blocks: int) -> None:
         conn.send("ready")
 
 
-def run_tcp(sizes: list[int], seconds: float, streams: int,
-            frame_bytes: int) -> tuple[dict[int, list[float]], dict[int, float]]:
-    num_blocks = max(sizes) // UNIT
-    parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks), daemon=True)
-    proc.start()
-    address = parent.recv()
-    cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
-                        LAYOUT.head_dim).to(torch.float16)
-    sender = TcpSender(LAYOUT, cache, streams=streams, frame_bytes=frame_bytes)
-    conn = sender.connect(address)
-    times: dict[int, list[float]] = {}
-    cpu: dict[int, float] = {}
-    counter = 0
+class TcpClient:
+    """tandem tcp transfers (begin, send_layer, finish) to a receiver in a child process."""
 
-    def cpu_now() -> float:
-        parent.send("cpu")
-        return time.process_time() + float(parent.recv())
+    def __init__(self, max_size: int, streams: int, frame_bytes: int) -> None:
+        num_blocks = max_size // UNIT
+        self.pipe, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks), daemon=True)
+        self.proc.start()
+        address = self.pipe.recv()
+        cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
+                            LAYOUT.head_dim).to(torch.float16)
+        self.sender = TcpSender(LAYOUT, cache, streams=streams, frame_bytes=frame_bytes)
+        self.conn = self.sender.connect(address)
+        self.counter = 0
 
-    for size in sizes:
+    def cpu_now(self) -> float:
+        self.pipe.send("cpu")
+        return time.process_time() + float(self.pipe.recv())
+
+    def transfer(self, size: int) -> float:
         blocks = list(range(size // UNIT))
-        times[size] = []
-        cpu_start = cpu_now()
-        stop = time.monotonic() + seconds
-        while time.monotonic() < stop or len(times[size]) < 5:
-            counter += 1
-            transfer_id = f"bench-{counter}"
-            parent.send((transfer_id, blocks))
-            parent.recv()
-            start = time.perf_counter()
-            transfer = conn.begin(transfer_id, blocks, 30.0)
-            transfer.send_layer(0, blocks)
-            transfer.finish()
-            times[size].append(time.perf_counter() - start)
-        cpu[size] = (cpu_now() - cpu_start) / (size * len(times[size]) / 2**30)
-    sender.close()
-    parent.send(None)
-    proc.join(timeout=10)
-    return times, cpu
+        self.counter += 1
+        transfer_id = f"bench-{self.counter}"
+        self.pipe.send((transfer_id, blocks))
+        self.pipe.recv()
+        start = time.perf_counter()
+        transfer = self.conn.begin(transfer_id, blocks, 30.0)
+        transfer.send_layer(0, blocks)
+        transfer.finish()
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.sender.close()
+        self.pipe.send(None)
+        self.proc.join(timeout=10)
+
+
+Client = RawClient | TcpClient
+
+
+def measure(clients: dict[str, Client], sizes: list[int], seconds: float,
+            rounds: int = 4) -> dict[str, tuple[dict[int, list[float]], dict[int, float]]]:
+    """Alternate the clients in short rounds per size, so load from elsewhere hits both alike."""
+    results: dict[str, tuple[dict[int, list[float]], dict[int, float]]] = {
+        name: ({size: [] for size in sizes}, {size: 0.0 for size in sizes}) for name in clients}
+    for size in sizes:
+        for _ in range(rounds):
+            for name, client in clients.items():
+                times, cpu = results[name]
+                cpu_start, count = client.cpu_now(), 0
+                stop = time.monotonic() + seconds / rounds
+                while time.monotonic() < stop or count < 2:
+                    times[size].append(client.transfer(size))
+                    count += 1
+                cpu[size] += client.cpu_now() - cpu_start
+        for name in clients:
+            times, cpu = results[name]
+            cpu[size] /= size * len(times[size]) / 2**30
+    return results
 
 
 def summarize(sizes: list[int], raw: tuple[dict[int, list[float]], dict[int, float]],
@@ -228,10 +243,18 @@ def main() -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(size < UNIT or size % UNIT for size in sizes):
         parser.error(f"every size must be a positive multiple of {UNIT} bytes (one block, K and V)")
-    raw = run_raw(sizes, args.seconds)
-    tcp = run_tcp(sizes, args.seconds, args.streams, parse_size(args.frame_bytes))
+    clients: dict[str, Client] = {"raw": RawClient(max(sizes)),
+                                  "tcp": TcpClient(max(sizes), args.streams, parse_size(args.frame_bytes))}
+    try:
+        results = measure(clients, sizes, args.seconds)
+    finally:
+        for client in clients.values():
+            client.close()
+    raw, tcp = results["raw"], results["tcp"]
     rows = summarize(sizes, raw, tcp)
-    print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, one run; GB/s from the median transfer)")
+    load = os.getloadavg()[0]
+    print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, load {load:.1f}; one run, raw and tcp "
+          "alternating per size; GB/s from the median transfer)")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as out:

@@ -140,6 +140,21 @@ def version_ldflags() -> str:
     return " ".join(flags)
 
 
+def standalone_ldflags(name: str, go_env: dict[str, str]) -> str:
+    """helm's release ldflags: its version, and the Kubernetes version it assumes by default
+    (derived, as helm's Makefile does, from the client-go it is built with)."""
+    if name != "helm":
+        return "-s -w"
+    info = json.loads(_run(["go", "mod", "download", "-json", f"helm.sh/helm/v3@{HELM_VERSION}"], env=go_env))
+    m = re.search(r"k8s\.io/client-go v0\.(\d+)\.", Path(info["GoMod"]).read_text())
+    if not m:
+        raise SystemExit("cannot find k8s.io/client-go in helm's go.mod")
+    flags = ["-s", "-w", f"-X helm.sh/helm/v3/internal/version.version={HELM_VERSION}"]
+    for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
+        flags += [f"-X {pkg}.k8sVersionMajor=1", f"-X {pkg}.k8sVersionMinor={m.group(1)}"]
+    return " ".join(flags)
+
+
 def build(verbose: bool = True) -> Path:
     """Build whatever is missing into bin_dir(); a no-op when everything is cached."""
     missing = missing_binaries()
@@ -172,7 +187,7 @@ def build(verbose: bool = True) -> Path:
     for name in [b for b in missing if b in STANDALONE]:
         log(f"building {name} ({STANDALONE[name]})")
         gobin = out.parent / f"gobin-{name}"
-        _run(["go", "install", "-trimpath", "-ldflags", "-s -w", STANDALONE[name]],
+        _run(["go", "install", "-trimpath", "-ldflags", standalone_ldflags(name, go_env), STANDALONE[name]],
              env=dict(go_env, GOBIN=str(gobin), GOFLAGS=""))
         os.replace(gobin / name, out / name)
         if name == "kwok":

@@ -121,6 +121,9 @@ AUTOSCALER_SIGNAL = MetricDef(f"{PREFIX}_autoscaler_signal", "gauge",
                               "The pool's scaling signal (queue depth or KV usage).", labels=OPERATOR_LABELS)
 AUTOSCALER_TARGET = MetricDef(f"{PREFIX}_autoscaler_target", "gauge",
                               "The pool's target for its signal.", labels=OPERATOR_LABELS)
+AUTOSCALER_MAX = MetricDef(f"{PREFIX}_autoscaler_max_replicas", "gauge",
+                           "The pool's maxReplicas (so alerts can tell a pool at its ceiling).",
+                           labels=OPERATOR_LABELS)
 AUTOSCALER_SCALE_EVENTS = MetricDef(f"{PREFIX}_autoscaler_scale_events", "counter",
                                     "Scale changes made by the autoscaler.",
                                     labels=(*OPERATOR_LABELS, "direction"))
@@ -130,7 +133,7 @@ RECONCILES = MetricDef(f"{PREFIX}_operator_reconciles", "counter",
                        "Reconcile attempts.", labels=(LABEL_NAMESPACE, LABEL_NAME))
 
 ALL_OPERATOR_METRICS = (
-    AUTOSCALER_DESIRED, AUTOSCALER_CURRENT, AUTOSCALER_SIGNAL, AUTOSCALER_TARGET,
+    AUTOSCALER_DESIRED, AUTOSCALER_CURRENT, AUTOSCALER_SIGNAL, AUTOSCALER_TARGET, AUTOSCALER_MAX,
     AUTOSCALER_SCALE_EVENTS, RECONCILE_ERRORS, RECONCILES,
 )
 
