@@ -36,7 +36,7 @@ from tandem.worker.bench.stats import percentile
 from tandem.worker.bench.workload import RequestSpec
 from tandem.worker.server.supervisor import LocalStack, StackSpec, free_port
 
-MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
+MODEL: dict[str, Any] = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, head_dim=32, max_position_embeddings=4096)
 
 

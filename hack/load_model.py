@@ -171,7 +171,7 @@ class LoadModel:
         self.trace, self.cap = trace, capacity
         self._next = 0
         self.prefill: list[list[float]] = []  # [arrival, tokens left, prompt, output], FIFO
-        self.waiting: deque[tuple[float, int, int]] = deque()  # (arrival, prompt, output)
+        self.waiting: deque[tuple[float, int, int]] = deque()  # prefilled, waiting for KV: (ttft, prompt, output)
         self.running: list[_Running] = []
         self.ttft = Histogram(m.TTFT.buckets or ())
         self.itl = Histogram(m.ITL.buckets or ())

@@ -245,21 +245,26 @@ def autoscale_tick(
                           [], {}, dict(state or {}))
 
     observations: dict[str, PoolObservation] = {}
-    problems: dict[str, str] = {}
+    fetch_problems: dict[str, str] = {}
     for pool in POOLS:
         current = desired_replicas(spec, status, pool)
         pool_counts = counts.get(pool, PoolCounts(ready=0))
         if policies[pool] is None:
             observations[pool] = PoolObservation(current, pool_counts.ready, pool_counts.unschedulable)
             continue
-        fetched = signals.fetch(pool, sig.Selector(namespace, spec.model.name, pool))
+        try:
+            fetched = signals.fetch(pool, sig.Selector(namespace, spec.model.name, pool))
+        except Exception as exc:  # a broken source is missing data, never a crashed timer
+            fetched = sig.PoolSignals({}, {"error": f"signal source failed: {type(exc).__name__}: {exc}"})
         observations[pool] = _observation(pool, current, pool_counts, fetched)
         primary = sig.QUEUE_REQUESTS if pool == PREFILL else sig.KV_USAGE
-        if primary in fetched.problems:
-            problems[pool] = fetched.problems[primary]
+        fetch_problems[pool] = fetched.problems.get(primary) or fetched.problems.get("error") or ""
 
     states: dict[str, PoolState] = {p: PoolState.from_dict((state or {}).get(p)) for p in POOLS}
     decisions = decide(policies, observations, states, band, now)
+    # Held for want of data: the fetch's own reason, or the policy's (e.g. no ready replica yet).
+    problems = {p: fetch_problems.get(p) or decisions[p].reasons[0] for p in POOLS
+                if policies[p] is not None and decisions[p].metrics_missing}
 
     desired: dict[str, int] = {}
     status_patch: dict[str, dict[str, Any]] = {}

@@ -238,7 +238,8 @@ def recommend(pool: str, policy: PoolPolicy, obs: PoolObservation, now: float,
     return rec, reasons
 
 
-def slo_guard(policy: PoolPolicy, obs: PoolObservation, rec: int, now: float, state: PoolState) -> tuple[int, list[str], float | None]:
+def slo_guard(policy: PoolPolicy, obs: PoolObservation, rec: int, now: float,
+              state: PoolState) -> tuple[int, list[str], float | None]:
     """Latency above the SLO: no scale-down, and scale up even below the signal's target.
 
     Only while the pool is busy (signal at least slo_guard_min_load x target). Returns the new recommendation, reasons, and the latency to remember for the next check.

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
 from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec
@@ -110,7 +109,7 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
 
     bench = subprocess.Popen(
         [sys.executable, "-m", "tandem.worker.cli", "bench", "--url", stack["url"], "--model", MODEL,
-         "-n", "160", "--rate", "0", "--prompt-tokens", "256", "--output-tokens", "64",
+         "-n", "48", "--rate", "0", "--prompt-tokens", "256", "--output-tokens", "32",
          "--max-duration", "90", "--json", str(tmp_path / "bench.json")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     counts = {"prefill": t.PoolCounts(1), "decode": t.PoolCounts(1)}
@@ -141,7 +140,8 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     deadline = time.monotonic() + 30
     while True:
         after = {p: source.fetch(p, sig.Selector(NAMESPACE, MODEL, p)) for p in ("prefill", "decode")}
-        if after["prefill"].get(sig.QUEUE_REQUESTS) == 0 and (after["decode"].get(sig.KV_USAGE) or 1) < 0.5:
+        queue, kv = after["prefill"].get(sig.QUEUE_REQUESTS), after["decode"].get(sig.KV_USAGE)
+        if queue == 0 and kv is not None and kv < 0.5:
             break
         assert time.monotonic() < deadline, f"signals did not fall back after the burst: {after}"
         time.sleep(0.5)

@@ -274,3 +274,21 @@ def test_default_metrics_share_the_operator_registry_and_can_be_built_twice() ->
 def test_pool_counts_from_api_objects(deployment: dict[str, Any] | None, pods: list[dict[str, Any]],
                                       expected: t.PoolCounts) -> None:
     assert t.pool_counts(deployment, pods) == expected
+
+
+class BrokenSignals:
+    def fetch(self, pool: str, sel: sig.Selector) -> sig.PoolSignals:
+        raise RuntimeError("boom")
+
+
+def test_a_signal_source_that_raises_holds_instead_of_crashing() -> None:
+    r = tick(make_spec(), source=BrokenSignals())
+    assert r.desired == {"prefill": 2, "decode": 2}
+    assert r.conditions[0].reason == "MetricsUnavailable" and "RuntimeError: boom" in r.conditions[0].message
+
+
+def test_no_ready_replica_is_reported_as_missing_data_too() -> None:
+    r = tick(make_spec(), counts={"prefill": t.PoolCounts(0), "decode": t.PoolCounts(2)})
+    assert r.desired["prefill"] == 2
+    assert r.conditions[0].reason == "MetricsUnavailable"
+    assert "prefill has no ready replicas to measure" in r.conditions[0].message

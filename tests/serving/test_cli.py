@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from .conftest import Stack
+from .conftest import Stack, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -68,3 +71,67 @@ def test_chunked_mode_serves_and_sigterm_stops_every_process(start_stack: Callab
     for p in stack.state["processes"]:
         with pytest.raises(ProcessLookupError):
             os.kill(p["pid"], 0)
+
+
+def test_rdma_without_a_device_fails_fast_with_the_reason(tmp_path: Path) -> None:
+    res = tandem("serve", "--model", "tiny", "--port", str(free_port()), "--transport", "rdma",
+                 "--log-dir", str(tmp_path), timeout=120)
+    if res.returncode == 0:
+        pytest.skip("this machine has a usable RDMA device")
+    assert res.returncode == 1
+    assert "failed to load" in res.stdout and "rdma" in res.stdout.lower()
+
+
+def test_worker_refuses_a_foreign_layout_hash(tiny_model: Path, tmp_path: Path) -> None:
+    port = free_port()
+    log = (tmp_path / "worker.log").open("wb")
+    proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "worker", "--role", "decode", "--model",
+                             str(tiny_model), "--port", str(port), "--kv-port", str(free_port())],
+                            env={**os.environ, "TANDEM_LAYOUT_HASH": "0123456789abcdef"}, stdout=log,
+                            stderr=subprocess.STDOUT)
+    try:
+        body: dict[str, object] = {}
+        for _ in range(300):
+            try:
+                resp = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=1)
+                body = resp.json()
+                if body.get("error"):
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        assert resp.status_code == 503
+        assert "0123456789abcdef" in str(body["error"]) and "layout hash" in str(body["error"])
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 500
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_request_deadline_gives_504_and_frees_the_worker(mono: Stack, tmp_path: Path) -> None:
+    worker = mono.procs("both")[0]["url"]
+    port = free_port()
+    with (tmp_path / "router.log").open("wb") as log:
+        router = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "router", "--port", str(port),
+                                   "--decode", worker, "--request-timeout", "1"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(200):
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/ready", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 1900, "ignore_eos": True}
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert resp.status_code == 504 and resp.json()["error"]["code"] == "deadline_exceeded"
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data:")]
+        assert "deadline" in events[-2] and events[-1] == "data: [DONE]"
+        for _ in range(50):  # the worker aborted what the router gave up on
+            if httpx.get(f"{worker}/info", timeout=5).json()["stats"]["num_running"] == 0:
+                break
+            time.sleep(0.1)
+        assert httpx.get(f"{worker}/info", timeout=5).json()["stats"]["num_running"] == 0
+    finally:
+        router.send_signal(signal.SIGTERM)
+        router.wait(30)

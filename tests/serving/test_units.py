@@ -216,3 +216,14 @@ def test_percentiles_and_goodput() -> None:
     assert (s.completed, s.failed) == (2, 1)
     assert s.goodput == 0.5 and s.slo_attainment == pytest.approx(1 / 3)
     assert s.output_throughput == 2.5 and s.errors == ["HTTP 500"]
+
+
+def test_endpoint_slices_from_the_kubernetes_client_models() -> None:
+    """The k8s discovery path turns the client's typed objects into the API's JSON shape first."""
+    client = pytest.importorskip("kubernetes.client", reason="kubernetes client (operator extra) not installed")
+    sl = client.V1EndpointSlice(
+        address_type="IPv4", ports=[client.DiscoveryV1EndpointPort(name="http", port=8000)],
+        endpoints=[client.V1Endpoint(addresses=["10.1.0.7"], conditions=client.V1EndpointConditions(ready=True)),
+                   client.V1Endpoint(addresses=["10.1.0.8"], conditions=client.V1EndpointConditions(ready=False))])
+    as_json = client.ApiClient().sanitize_for_serialization(sl)
+    assert ready_endpoints([as_json]) == ["http://10.1.0.7:8000"]

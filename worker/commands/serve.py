@@ -63,11 +63,13 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
 @click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Write the processes (names, roles, URLs, pids) here as JSON once ready.")
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True)
+@click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
+              help="Per-request deadline enforced by the router.")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
             transport: str, host: str, port: int, dtype: str, block_size: int, max_model_len: int | None,
             kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
-            state_file: Path | None, ready_timeout: float, prefill_fault: str | None) -> None:
+            state_file: Path | None, ready_timeout: float, request_timeout: float, prefill_fault: str | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
@@ -79,7 +81,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          prefill_workers=prefill_workers if mode == "disaggregated" else 0,
                          decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype,
                          block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                         max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault)
+                         max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault,
+                         request_timeout=request_timeout)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):
@@ -144,7 +147,12 @@ def _wait_ready(stack: LocalStack, console: Console, timeout: float, stop: _Stop
                     console.print(f"[red]{p.name} exited with code {p.popen.returncode if p.popen else '?'}; "
                                   f"its log ({p.log_path}) ends with:[/red]\n{p.log_tail()}")
                 return False
-            states = stack.poll_ready(client)
+            try:
+                states = stack.poll_ready(client)
+            except RuntimeError as exc:
+                progress.stop()
+                console.print(f"[red]{exc}[/red]")
+                return False
             for name, (ok, frac) in states.items():
                 progress.update(tasks[name], completed=1.0 if ok else frac,
                                 status="ready" if ok else ("loading model" if frac > 0 else "starting"))

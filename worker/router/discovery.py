@@ -7,7 +7,6 @@ from each worker's GET /info (see workers.py), so a source never has to be trust
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 from pathlib import Path
@@ -107,13 +106,13 @@ class KubernetesDiscovery:
         return self._api
 
     def _slices(self, service: str) -> list[dict[str, Any]]:
+        from kubernetes import client
+
         api = self._discovery_api()
-        resp = api.call_api(
-            f"/apis/discovery.k8s.io/v1/namespaces/{self.namespace}/endpointslices", "GET",
-            query_params=[("labelSelector", f"kubernetes.io/service-name={service}")],
-            response_type="object", _return_http_data_only=True, _preload_content=False)
-        data = json.loads(resp.data)
-        return list(data.get("items", []))
+        found = client.DiscoveryV1Api(api).list_namespaced_endpoint_slice(
+            self.namespace, label_selector=f"kubernetes.io/service-name={service}", _request_timeout=5)
+        # The API's own JSON shape (camelCase), which is what ready_endpoints reads.
+        return [api.sanitize_for_serialization(item) for item in found.items]
 
     def _dns(self, service: str) -> list[str]:
         name = f"{service}.{self.namespace}.svc"

@@ -111,6 +111,8 @@ class Dispatcher:
                         return
                 raise WorkerLost(f"{decode.url} ended the stream without finishing the request")
             except WorkerLost as exc:
+                if time.monotonic() >= deadline:  # the worker gave up because the deadline passed: not its fault
+                    raise errors.timeout("the request's deadline passed before it finished") from None
                 migrations += 1
                 lost.add(decode.url)
                 self.registry.mark_down(decode.url, str(exc))
@@ -144,6 +146,8 @@ class Dispatcher:
             found = pick()
             if found is not None:
                 return found  # type: ignore[no-any-return]
+            if time.monotonic() >= deadline:
+                raise errors.timeout("the request's deadline passed while waiting for a worker")
             if time.monotonic() >= limit:
                 raise errors.unavailable("no ready worker can take this request now; retry later")
             await self.registry.wait_for_change(min(1.0, limit - time.monotonic()))
@@ -174,9 +178,11 @@ class Dispatcher:
             try:
                 resp = await self._post(worker, "/prefill", body, PrefillResponse, deadline)
             except WorkerRejected as exc:
-                if exc.status < 500:
+                if exc.status < 500 or time.monotonic() >= deadline:
                     await self._cancel(decode, request_id)
-                    raise errors.bad_request(str(exc)) from None
+                    if exc.status < 500:
+                        raise errors.bad_request(str(exc)) from None
+                    raise errors.timeout("the request's deadline passed during prefill") from None
                 continue  # draining or overloaded: try the next prefill worker
             except WorkerLost as exc:
                 self.registry.mark_down(worker.url, str(exc))

@@ -55,7 +55,8 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        body = {"ready": server.ready, "draining": server.draining, "load_progress": server.load_progress}
+        body = {"ready": server.ready, "draining": server.draining, "load_progress": server.load_progress,
+                "error": server.load_error}
         return JSONResponse(body, status_code=200 if server.ready else 503)
 
     @app.get("/metrics")

@@ -69,6 +69,7 @@ class StackSpec:
     max_num_batched_tokens: int | None = None
     log_dir: Path = Path(".")
     prefill_fault: str | None = None  # test hook passed to prefill workers
+    request_timeout: float = 600.0  # the router's per-request deadline
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,7 +124,7 @@ class LocalStack:
             chunk = ["--chunked-prefill"] if s.mode == "chunked" else ["--no-chunked-prefill"]
             self.procs += [self._worker(f"worker-{i}", "both", chunk) for i in range(s.decode_workers)]
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
-                "--model-name", s.model_name, "--model", str(s.model_dir)]
+                "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout)]
         for p in self.workers:
             argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log"))
@@ -136,15 +137,19 @@ class LocalStack:
                                            env=env, start_new_session=True)
 
     def poll_ready(self, client: httpx.Client) -> dict[str, tuple[bool, float]]:
-        """name -> (ready, load progress 0..1)."""
+        """name -> (ready, load progress 0..1). Raises RuntimeError when a worker reports a failed load."""
         out: dict[str, tuple[bool, float]] = {}
         for p in self.procs:
             try:
                 resp = client.get(f"{p.url}/ready", timeout=1.0)
                 body = resp.json()
-                out[p.name] = (resp.status_code == 200, float(body.get("load_progress", 1.0 if resp.status_code == 200 else 0)))
             except (httpx.HTTPError, ValueError):
                 out[p.name] = (False, 0.0)
+                continue
+            if body.get("error"):
+                raise RuntimeError(f"{p.name} failed to load: {body['error']}")
+            ok = resp.status_code == 200
+            out[p.name] = (ok, float(body.get("load_progress", 1.0 if ok else 0.0)))
         return out
 
     def dead(self) -> list[Proc]:

@@ -21,7 +21,9 @@ Prefill side (owns the source blocks):
     conn = sender.connect(recv_address)   # handshake; TransferError("layout_mismatch"|"connect_failed")
     t = conn.begin(transfer_id, dst_block_ids, deadline_s)   # dst ids: the decode's reservation
     t.send_layer(layer, src_block_ids, dst_start=0)  # as each layer is computed (pipelining);
-        # src_block_ids[i] -> dst_block_ids[dst_start + i]; call it per layer, or per chunk
+        # src_block_ids[i] -> dst_block_ids[dst_start + i]; call it per layer, or per chunk.
+        # Source blocks of a CPU cache go out zero-copy: keep them unchanged until finish()
+        # returns or the transfer fails. One thread drives a given transfer at a time.
     t.finish() -> TransferResult(transfer_id, bytes_sent, seconds, frames)  # waits for the ack
     t.abort(message)                  # give up; the receiver frees at once
     sender.close()
