@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from tandem.worker.bench.client import RequestResult, send_one
 from tandem.worker.bench.stats import percentile
 from tandem.worker.bench.workload import RequestSpec

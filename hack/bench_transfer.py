@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender

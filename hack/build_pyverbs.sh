@@ -14,7 +14,7 @@ set -euo pipefail
 VERSION=59.0
 CACHE="${TANDEM_CACHE:-$HOME/.cache/tandem}/pyverbs-${VERSION%%.*}"
 SITE="$CACHE/site-packages"
-LIBS="$CACHE/lib"
+LIBS="$CACHE/lib"  # libibverbs.so.1 and librdmacm.so.1 of rdma-core 59
 PYTHON="${PYTHON:-python3}"
 
 if [[ "${1:-}" == "env" ]]; then
@@ -40,13 +40,26 @@ BUILD_VENV="$CACHE/build-venv"
 "$BUILD_VENV/bin/pip" install --quiet "cython<3.1" scikit-build-core setuptools-scm wheel
 # Build the wheel (it compiles the bundled rdma-core with cmake), without build isolation so the
 # pinned Cython is the one used.
-nice -n 19 "$BUILD_VENV/bin/pip" wheel --no-deps --no-binary :all: --no-build-isolation \
-  -w "$CACHE/wheels" "pyverbs==$VERSION"
+cd "$CACHE"  # never run Python from the repository root: its operator/ folder shadows the stdlib module
+if ! ls "$CACHE"/wheels/pyverbs-*.whl >/dev/null 2>&1; then
+  nice -n 19 "$BUILD_VENV/bin/pip" wheel --no-deps --no-binary :all: --no-build-isolation \
+    -w "$CACHE/wheels" "pyverbs==$VERSION"
+fi
 WHEEL=$(ls "$CACHE"/wheels/pyverbs-*.whl | head -n1)
-rm -rf "$SITE" && mkdir -p "$SITE" "$LIBS"
-"$BUILD_VENV/bin/python" -m zipfile -e "$WHEEL" "$SITE"
-# The wheel carries the rdma-core libraries it was linked against; expose them on one path.
-find "$SITE" -name 'lib*.so*' -exec cp -a {} "$LIBS/" \;
+rm -rf "$SITE" && mkdir -p "$SITE"
+"$BUILD_VENV/bin/python" -I -m zipfile -e "$WHEEL" "$SITE"
+# The wheel leaves out the rdma-core 59 C libraries (libibverbs, librdmacm) it links against:
+# build them from the rdma-core source the sdist bundles, into a prefix of our own.
+if [[ ! -f "$LIBS/libibverbs.so.1" ]]; then
+  "$BUILD_VENV/bin/pip" download --quiet --no-deps --no-binary :all: --no-build-isolation \
+    -d "$CACHE/src" "pyverbs==$VERSION"
+  tar xzf "$CACHE/src/pyverbs-$VERSION.tar.gz" -C "$CACHE/src"
+  cmake -S "$CACHE/src/pyverbs-$VERSION/rdma-core" -B "$CACHE/rdma-core-build" -G Ninja \
+    -DCMAKE_BUILD_TYPE=Release -DNO_MAN_PAGES=1 -DNO_PYVERBS=1 -DCMAKE_INSTALL_PREFIX="$CACHE/prefix"
+  nice -n 19 ninja -C "$CACHE/rdma-core-build" -j 2 ibverbs rdmacm
+  mkdir -p "$LIBS"
+  cp -a "$CACHE"/rdma-core-build/lib/libibverbs.so* "$CACHE"/rdma-core-build/lib/librdmacm.so* "$LIBS/"
+fi
 touch "$CACHE/.done"
 echo "built pyverbs $VERSION into $CACHE"
 echo "use it with: eval \"\$($0 env)\""

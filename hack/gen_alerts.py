@@ -21,6 +21,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import monitoring_config as cfg
+
 from tandem.worker import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent

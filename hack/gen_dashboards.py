@@ -39,6 +39,7 @@ except ModuleNotFoundError as exc:  # a dev-only dependency: say how to get it
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import monitoring_config as cfg
+
 from tandem.worker import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent

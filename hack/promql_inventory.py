@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tandem.worker import metrics as m
 
 REPO = Path(__file__).resolve().parent.parent

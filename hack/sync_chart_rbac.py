@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tandem.operator import rbac
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,6 +11,7 @@ import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
+
 from tandem.operator.rules import ApiModel, CrossFieldRule
 
 GROUP = "tandem.dev"
@@ -172,8 +173,12 @@ class ResourceRequirements(ApiModel):
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
 
 
+AutoscalingMode = Literal["tandem", "external"]
+
+
 class AutoscalingSpec(ApiModel):
-    """Autoscaling bounds shared by both pools. When enabled, the autoscaler owns the replica count."""
+    """Autoscaling of one pool. When enabled, something other than spec replicas owns the replica count:
+    Tandem's autoscaler (mode tandem) or whatever scales the pool's DisaggregatedPool (mode external)."""
 
     cross_field_rules = (
         CrossFieldRule(
@@ -182,16 +187,55 @@ class AutoscalingSpec(ApiModel):
             check=lambda a: a.min_replicas <= a.max_replicas,
             field_path=".minReplicas",
         ),
+        CrossFieldRule(
+            cel="self.maxScaleUpPods > 0 || self.maxScaleUpPercent > 0",
+            message="maxScaleUpPods and maxScaleUpPercent cannot both be 0 (the pool could never grow)",
+            check=lambda a: a.max_scale_up_pods > 0 or a.max_scale_up_percent > 0,
+            field_path=".maxScaleUpPods",
+        ),
     )
 
-    enabled: bool = Field(default=False, description="Let the autoscaler set replicas (spec replicas is then the starting size).")
-    min_replicas: int = Field(default=1, ge=0, le=1000, description="Fewest replicas the autoscaler may set.")
-    max_replicas: int = Field(default=4, ge=1, le=1000, description="Most replicas the autoscaler may set.")
+    enabled: bool = Field(
+        default=False,
+        description="Let an autoscaler set replicas (spec replicas is then only the starting size). "
+        "false: spec replicas is the size.",
+    )
+    mode: AutoscalingMode = Field(
+        default="tandem",
+        description="Who scales the pool while enabled: tandem (Tandem's autoscaler, on the pool's signal) or "
+        "external (spec.replicas of the pool's DisaggregatedPool <name>-<pool>, which kubectl scale, an HPA "
+        "or a KEDA ScaledObject drive through its scale subresource). One owner at a time.",
+    )
+    min_replicas: int = Field(
+        default=1, ge=0, le=1000,
+        description="Fewest replicas. Mode tandem reads 0 as 1 (its signals come from the pool's own workers); "
+        "mode external allows 0 (scale to zero).",
+    )
+    max_replicas: int = Field(default=4, ge=1, le=1000, description="Most replicas, in either mode.")
     scale_up_stabilization_seconds: int = Field(
-        default=0, ge=0, le=3600, description="Window over which the highest recent recommendation is used for scale-up."
+        default=0, ge=0, le=3600,
+        description="Scale up only to the lowest recommendation of this window (as HPA): a short spike does not "
+        "add replicas. Mode tandem.",
     )
     scale_down_stabilization_seconds: int = Field(
-        default=300, ge=0, le=3600, description="Window over which the highest recent recommendation is kept before scale-down."
+        default=300, ge=0, le=3600,
+        description="Scale down only to the highest recommendation of this window (as HPA). Mode tandem.",
+    )
+    tolerance: float = Field(
+        default=0.1, ge=0, lt=1,
+        description="No change while signal/target is within 1 +- tolerance. Mode tandem.",
+    )
+    max_scale_up_pods: int = Field(
+        default=4, ge=0, le=1000,
+        description="Most pods added per decision (the larger of this and maxScaleUpPercent applies). Mode tandem.",
+    )
+    max_scale_up_percent: int = Field(
+        default=100, ge=0, le=10_000,
+        description="Most growth per decision, in percent of the current replicas. Mode tandem.",
+    )
+    cooldown_seconds: int = Field(
+        default=60, ge=0, le=3600,
+        description="No scale-down for this long after any change (scale-ups are not delayed). Mode tandem.",
     )
 
 
@@ -199,6 +243,11 @@ class PrefillAutoscalingSpec(AutoscalingSpec):
     """Prefill scales on its queue: requests waiting for or in prefill, per replica."""
 
     target_queue_depth: float = Field(default=4.0, gt=0, le=10_000, description="Queued requests per prefill replica to aim for.")
+    target_queue_tokens: int | None = Field(
+        default=None, ge=1, le=100_000_000,
+        description="Queued prompt tokens per prefill replica to aim for; when set, the larger of the two ratios "
+        "decides (long prompts weigh more than short ones).",
+    )
 
 
 class DecodeAutoscalingSpec(AutoscalingSpec):
@@ -318,7 +367,9 @@ class DisaggregatedModelSpec(ApiModel):
 class Condition(ApiModel):
     """A condition as in the Kubernetes API conventions."""
 
-    type: str = Field(description="Ready, Progressing or Degraded.")
+    type: str = Field(
+        description="Ready, Progressing or Degraded (the operator); ScalingActive and ScalingLimited (the autoscaler)."
+    )
     status: Literal["True", "False", "Unknown"] = Field(description="Whether the condition holds.")
     reason: str = Field(description="CamelCase reason for the last transition.")
     message: str = Field(default="", description="Human-readable details.")
@@ -333,7 +384,12 @@ class PoolStatus(ApiModel):
     ready_replicas: int | None = Field(default=None, description="Pods passing their readiness probe.")
     updated_replicas: int | None = Field(default=None, description="Pods running the current template.")
     desired_replicas: int | None = Field(
-        default=None, description="Replicas the operator applies: spec replicas, or the autoscaler's choice when enabled."
+        default=None,
+        description="Replicas the operator applies: spec replicas, the autoscaler's choice (mode tandem), or the "
+        "DisaggregatedPool's spec.replicas (mode external), clamped to min/max while autoscaling is enabled.",
+    )
+    scaled_by: Literal["spec", "autoscaler", "external"] | None = Field(
+        default=None, description="Who owns the replica count now: spec, Tandem's autoscaler, or an external scaler.",
     )
     summary: str | None = Field(default=None, description="readyReplicas/desiredReplicas, shown by kubectl get.")
     last_scale_time: str | None = Field(default=None, description="When the autoscaler last changed desiredReplicas (RFC 3339).")
@@ -348,7 +404,12 @@ class DisaggregatedModelStatus(ApiModel):
     """Observed state, written by the operator."""
 
     observed_generation: int | None = Field(default=None, description="metadata.generation this status describes.")
-    conditions: list[Condition] = Field(default_factory=list, description="Ready, Progressing and Degraded.")
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        description="Ready, Progressing and Degraded; with autoscaling, ScalingActive (whether the autoscaler can "
+        "decide: metrics present and valid) and ScalingLimited (whether a bound, the ratio band or pool capacity "
+        "keeps a pool from where its load wants it).",
+    )
     prefill: PoolStatus | None = Field(default=None, description="The prefill pool.")
     decode: PoolStatus | None = Field(default=None, description="The decode pool.")
     router: PoolStatus | None = Field(default=None, description="The router.")
@@ -375,3 +436,40 @@ ROOT_RULES = (
         "message": "metadata.name must be a DNS-1035 label: lowercase letters, digits and '-', starting with a letter",
     },
 )
+
+
+# ---------------------------------------------------------------- per-pool scale (for kubectl scale, HPA, KEDA)
+
+POOL_KIND = "DisaggregatedPool"
+POOL_PLURAL = "disaggregatedpools"
+POOL_SINGULAR = "disaggregatedpool"
+POOL_SHORT_NAMES = ("dmpool",)
+
+
+class DisaggregatedPoolSpec(ApiModel):
+    """One pool's scale, created by the operator as a child of its DisaggregatedModel (named <model>-<pool>).
+
+    spec.replicas is read only while the pool's autoscaling is enabled with mode external; the scale
+    subresource (kubectl scale, HPA, KEDA) writes it.
+    """
+
+    replicas: int = Field(
+        ge=0, le=1000,
+        description="Replicas an external scaler wants (used in autoscaling mode external, clamped to min/max).",
+    )
+    model: str = Field(min_length=1, max_length=MAX_NAME_LENGTH, description="The DisaggregatedModel this pool belongs to.")
+    pool: PoolName = Field(description="Which of its pools.")
+
+
+class DisaggregatedPoolStatus(ApiModel):
+    """The pool as observed, written by the operator."""
+
+    replicas: int | None = Field(default=None, description="Pods of the pool's Deployment (the scale subresource's status).")
+    ready_replicas: int | None = Field(default=None, description="Pods passing their readiness probe.")
+    desired_replicas: int | None = Field(default=None, description="Replicas the operator applies to the Deployment.")
+    selector: str | None = Field(default=None, description="Label selector of the pool's pods (for HPA per-pod metrics).")
+    scaled_by: Literal["spec", "autoscaler", "external"] | None = Field(
+        default=None, description="Who owns the replica count; spec.replicas here counts only when this is external.",
+    )
+    message: str | None = Field(default=None, description="What spec.replicas does now, in words.")
+    observed_generation: int | None = Field(default=None, description="metadata.generation this status describes.")

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
+
 from tandem.operator import signals as sig
 from tandem.operator.api import POOLS, DisaggregatedModelSpec, PoolName
 from tandem.operator.autoscaling import (
@@ -118,8 +119,8 @@ def pool_counts(deployment: Mapping[str, Any] | None, pods: Iterable[Mapping[str
 def policy_for(spec: DisaggregatedModelSpec, pool: PoolName) -> tuple[PoolPolicy | None, list[str]]:
     """The pool's PoolPolicy (None when autoscaling is off) and notes on how the spec was read."""
     auto = spec.pool(pool).autoscaling
-    if not auto.enabled:
-        return None, []
+    if not auto.enabled or auto.mode != "tandem":
+        return None, []  # spec replicas, or an external scaler, owns the pool
     notes = []
     min_replicas = auto.min_replicas
     if min_replicas < 1:
@@ -183,6 +184,7 @@ class TickResult:
     decisions: dict[str, PoolDecision]
     state: dict[str, Any]  # hand back as `state` on the next tick
     targets: dict[str, float] = field(default_factory=dict)
+    max_replicas: dict[str, int] = field(default_factory=dict)  # per autoscaled pool
 
 
 def rfc3339(ts: float) -> str:
@@ -226,8 +228,13 @@ def autoscale_tick(
     signals: sig.SignalSource,
     clock: Callable[[], float],
     state: Mapping[str, Any] | None = None,
+    external: Mapping[str, int | None] | None = None,
 ) -> TickResult:
-    """One autoscaler tick for one DisaggregatedModel. Never raises on bad metrics: it holds."""
+    """One autoscaler tick for one DisaggregatedModel. Never raises on bad metrics: it holds.
+
+    `external`: each DisaggregatedPool's spec.replicas, the size of a pool in mode external (which
+    the ratio band then treats as fixed, like a pool with autoscaling off).
+    """
     now = clock()
     policies: dict[str, PoolPolicy | None] = {}
     notes: list[str] = []
@@ -241,13 +248,13 @@ def autoscale_tick(
                           [ScaleEvent("Warning", "InvalidAutoscalingPolicy", str(exc))], {}, dict(state or {}))
     if all(p is None for p in policies.values()):
         return TickResult({}, {}, [ConditionValue(SCALING_ACTIVE, "False", "AutoscalingDisabled",
-                                                  "autoscaling.enabled is false on both pools")],
+                                                  "no pool is scaled by Tandem's autoscaler (autoscaling disabled or mode external)")],
                           [], {}, dict(state or {}))
 
     observations: dict[str, PoolObservation] = {}
     fetch_problems: dict[str, str] = {}
     for pool in POOLS:
-        current = desired_replicas(spec, status, pool)
+        current = desired_replicas(spec, status, pool, (external or {}).get(pool))
         pool_counts = counts.get(pool, PoolCounts(ready=0))
         if policies[pool] is None:
             observations[pool] = PoolObservation(current, pool_counts.ready, pool_counts.unschedulable)
@@ -270,11 +277,13 @@ def autoscale_tick(
     status_patch: dict[str, dict[str, Any]] = {}
     events: list[ScaleEvent] = []
     targets: dict[str, float] = {}
+    maxima: dict[str, int] = {}
     for pool in POOLS:
         policy, dec = policies[pool], decisions[pool]
         if policy is None:
             continue
         targets[pool] = policy.target
+        maxima[pool] = policy.max_replicas
         reasons = "; ".join([*dec.reasons, *(n for n in notes if n.startswith(pool))])
         desired[pool] = dec.desired
         patch: dict[str, Any] = {"desiredReplicas": dec.desired, "signal": dec.signal,
@@ -302,7 +311,8 @@ def autoscale_tick(
         active = ConditionValue(SCALING_ACTIVE, "True", "ValidMetrics", f"signal/target: {shown}")
     new_state: dict[str, Any] = {p: decisions[p].state.to_dict() for p in POOLS if policies[p] is not None}
     return TickResult(desired, status_patch, [active, _limited_condition(
-        {p: d for p, d in decisions.items() if policies[p] is not None})], events, decisions, new_state, targets)
+        {p: d for p, d in decisions.items() if policies[p] is not None})], events, decisions, new_state, targets,
+        maxima)
 
 
 class AutoscalerMetrics:
@@ -323,6 +333,7 @@ class AutoscalerMetrics:
         self.current = make(m.AUTOSCALER_CURRENT)
         self.signal = make(m.AUTOSCALER_SIGNAL)
         self.target = make(m.AUTOSCALER_TARGET)
+        self.max_replicas = make(m.AUTOSCALER_MAX)
         self.scale_events = make(m.AUTOSCALER_SCALE_EVENTS)
 
     def record(self, namespace: str, name: str, result: TickResult) -> None:
@@ -333,6 +344,7 @@ class AutoscalerMetrics:
             self.desired.labels(**labels).set(dec.desired)
             self.current.labels(**labels).set(dec.current)
             self.target.labels(**labels).set(result.targets.get(pool, math.nan))
+            self.max_replicas.labels(**labels).set(result.max_replicas.get(pool, math.nan))
             # A missing signal is NaN in the gauge, not 0, so dashboards show a gap.
             self.signal.labels(**labels).set(math.nan if dec.signal is None else dec.signal)
             if dec.direction != "none":

@@ -13,6 +13,7 @@ from typing import Any
 from tandem.operator.api import (
     API_VERSION,
     KIND,
+    POOL_KIND,
     DisaggregatedModelSpec,
     EnvVar,
     PoolName,
@@ -333,3 +334,21 @@ def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping
     children.append(router_service(owner, spec))
     children.append(router_deployment(owner, spec, spec.router.replicas))
     return children
+
+
+# ---------------------------------------------------------------- per-pool scale
+
+
+def pool_selector(owner: Owner, pool: PoolName) -> str:
+    """The pool's pods as a label selector string (the scale subresource's status.selector)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(selector_labels(owner, pool).items()))
+
+
+def pool_resource(owner: Owner, pool: PoolName, replicas: int) -> Manifest:
+    """The pool's DisaggregatedPool, as created once: after that, spec.replicas belongs to whoever scales it."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": POOL_KIND,
+        "metadata": _metadata(owner, child_name(owner, pool), pool),
+        "spec": {"replicas": replicas, "model": owner.name, "pool": pool},
+    }

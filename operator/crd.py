@@ -12,6 +12,7 @@ import copy
 from typing import Any
 
 from pydantic import BaseModel
+
 from tandem.operator import api
 
 JsonSchema = dict[str, Any]
@@ -119,6 +120,7 @@ def openapi_schema() -> JsonSchema:
 
 
 def custom_resource_definition() -> JsonSchema:
+    """The DisaggregatedModel CRD."""
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -142,6 +144,73 @@ def custom_resource_definition() -> JsonSchema:
                     "subresources": {"status": {}},
                     "additionalPrinterColumns": PRINTER_COLUMNS,
                     "schema": {"openAPIV3Schema": openapi_schema()},
+                }
+            ],
+        },
+    }
+
+
+POOL_PRINTER_COLUMNS = [
+    {"name": "Model", "type": "string", "jsonPath": ".spec.model"},
+    {"name": "Pool", "type": "string", "jsonPath": ".spec.pool"},
+    {"name": "Scaled-By", "type": "string", "jsonPath": ".status.scaledBy",
+     "description": "Who owns the replica count: spec, autoscaler or external"},
+    {"name": "Spec", "type": "integer", "jsonPath": ".spec.replicas",
+     "description": "Replicas asked for here (used when scaled by external)"},
+    {"name": "Desired", "type": "integer", "jsonPath": ".status.desiredReplicas"},
+    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def pool_openapi_schema() -> JsonSchema:
+    """The root schema of a DisaggregatedPool."""
+    return {
+        "type": "object",
+        "description": " ".join((api.DisaggregatedPoolSpec.__doc__ or "").split()),
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": structural_schema(api.DisaggregatedPoolSpec),
+            "status": structural_schema(api.DisaggregatedPoolStatus),
+        },
+    }
+
+
+def pool_custom_resource_definition() -> JsonSchema:
+    """The DisaggregatedPool CRD: a scale subresource per pool, so kubectl scale, HPA and KEDA can drive it."""
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{api.POOL_PLURAL}.{api.GROUP}"},
+        "spec": {
+            "group": api.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": api.POOL_KIND,
+                "listKind": f"{api.POOL_KIND}List",
+                "plural": api.POOL_PLURAL,
+                "singular": api.POOL_SINGULAR,
+                "shortNames": list(api.POOL_SHORT_NAMES),
+                "categories": ["tandem"],
+            },
+            "versions": [
+                {
+                    "name": api.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": POOL_PRINTER_COLUMNS,
+                    "schema": {"openAPIV3Schema": pool_openapi_schema()},
                 }
             ],
         },

@@ -6,7 +6,13 @@ import json
 from typing import Any
 
 from tandem.operator import api
-from tandem.operator.crd import PRINTER_COLUMNS, JsonSchema, openapi_schema
+from tandem.operator.crd import (
+    POOL_PRINTER_COLUMNS,
+    PRINTER_COLUMNS,
+    JsonSchema,
+    openapi_schema,
+    pool_openapi_schema,
+)
 
 HEADER = f"""# DisaggregatedModel reference
 
@@ -82,4 +88,24 @@ def crd_markdown() -> str:
     sections.append(f"## metadata\n\n{root_rules}\n")
     columns = "\n".join(f"| {c['name']} | `{_cell(c['jsonPath'])}` |" for c in PRINTER_COLUMNS)
     sections.append(f"## kubectl get dm\n\n| Column | JSONPath |\n|---|---|\n{columns}\n")
+    sections.append(_pool_section())
     return "\n".join(sections)
+
+
+def _pool_section() -> str:
+    schema = pool_openapi_schema()
+    parts = [f"""# DisaggregatedPool reference
+
+`{api.API_VERSION}`, kind `{api.POOL_KIND}`, short name `{", ".join(api.POOL_SHORT_NAMES)}`, namespaced.
+The operator creates one per pool of each DisaggregatedModel (`<name>-prefill`, `<name>-decode`),
+owned by it. Its scale subresource (`spec.replicas`, `status.replicas`, `status.selector`) lets
+`kubectl scale`, a HorizontalPodAutoscaler or a KEDA ScaledObject size the pool while the pool's
+`autoscaling` is `{{enabled: true, mode: external}}`; see docs/autoscaling.md.
+"""]
+    for part in ("spec", "status"):
+        rows = ["| Field | Type | Required | Default | Validation | Description |", "|---|---|---|---|---|---|"]
+        _rows(schema["properties"][part], part, part == "spec", rows)
+        parts.append(f"## {part} (DisaggregatedPool)\n\n" + "\n".join(rows) + "\n")
+    columns = "\n".join(f"| {c['name']} | `{_cell(c['jsonPath'])}` |" for c in POOL_PRINTER_COLUMNS)
+    parts.append(f"## kubectl get dmpool\n\n| Column | JSONPath |\n|---|---|\n{columns}\n")
+    return "\n".join(parts)

@@ -15,6 +15,7 @@ from typing import Any
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
+
 from tandem.operator import api
 
 FIELD_MANAGER = "tandem-operator"
@@ -31,6 +32,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (api.API_VERSION, api.KIND): api.PLURAL,
+    (api.API_VERSION, api.POOL_KIND): api.POOL_PLURAL,
 }
 
 
@@ -106,6 +108,12 @@ class Kube:
         query = [("fieldManager", FIELD_MANAGER), ("force", "true")]
         return self._request("PATCH", path, query, dict(manifest), "application/apply-patch+yaml")
 
+    def create(self, manifest: Mapping[str, Any]) -> Obj:
+        """A plain create (POST): the fields it sets are not owned by the operator's server-side applies."""
+        meta = manifest["metadata"]
+        path = _path(manifest["apiVersion"], manifest["kind"], meta["namespace"])
+        return self._request("POST", path, [("fieldManager", FIELD_MANAGER)], dict(manifest))
+
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> Obj | None:
         try:
             return self._request("GET", _path(api_version, kind, namespace, name))
@@ -119,9 +127,14 @@ class Kube:
         items = self._request("GET", _path(api_version, kind, namespace), query).get("items") or []
         return [item for item in items if isinstance(item, dict)]
 
-    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any]) -> None:
-        """JSON merge patch of a DisaggregatedModel's status: keys not given (the autoscaler's) are kept."""
-        path = _path(api.API_VERSION, api.KIND, namespace, name, "status")
+    def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
+        """JSON merge patch of an object's main resource."""
+        path = _path(api_version, kind, namespace, name)
+        return self._request("PATCH", path, None, dict(body), "application/merge-patch+json")
+
+    def patch_status(self, namespace: str, name: str, status: Mapping[str, Any], kind: str = api.KIND) -> None:
+        """JSON merge patch of a DisaggregatedModel's (or DisaggregatedPool's) status: keys not given are kept."""
+        path = _path(api.API_VERSION, kind, namespace, name, "status")
         self._request("PATCH", path, None, {"status": dict(status)}, "application/merge-patch+json")
 
     def close(self) -> None:

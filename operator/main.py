@@ -1,8 +1,10 @@
-"""`tandem operator`: kopf registration only. The work is in reconcile.py and the pure modules it calls.
+"""`tandem operator`: kopf registration only. The work is in reconcile.py, autoscaler_run.py and the
+pure modules they call.
 
-Every trigger (resource created, changed or resumed; a periodic resync; a child Deployment
-changed or deleted; a worker pod the scheduler cannot place) runs the same level-based
-reconcile, so a missed event is repaired by the next one.
+Every trigger (resource created, changed or resumed; a periodic resync; a child Deployment or
+DisaggregatedPool changed or deleted; a worker pod the scheduler cannot place) runs the same
+level-based reconcile, so a missed event is repaired by the next one. The autoscaler is a second
+timer per resource (--autoscale-interval) that writes its decision to status and then reconciles.
 """
 
 from __future__ import annotations
@@ -16,7 +18,10 @@ from typing import Any
 import click
 import kopf
 from prometheus_client import start_http_server
+
 from tandem.operator import api
+from tandem.operator.autoscaler_run import autoscale_resource, signal_source
+from tandem.operator.autoscaler_timer import AutoscalerMetrics
 from tandem.operator.builders import MANAGER
 from tandem.operator.kube import Kube, KubeError, load_configuration
 from tandem.operator.reconcile import reconcile
@@ -77,6 +82,17 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     _client()
 
 
+def autoscale(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
+    """The autoscaler timer (registered by `command` with the --autoscale-interval)."""
+    ns = namespace or ""
+    try:
+        outcome = autoscale_resource(_client(), ns, name, memo.signals, _emit, memo.autoscaler_metrics)
+    except KubeError as exc:
+        raise kopf.TemporaryError(f"autoscaler: {exc}", delay=RETRY_SECONDS) from exc
+    if outcome is not None and outcome.changed:
+        _reconcile(ns, name)  # apply the new size now, not at the next resync
+
+
 @kopf.on.resume(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.create(api.GROUP, api.VERSION, api.PLURAL)
 @kopf.on.update(api.GROUP, api.VERSION, api.PLURAL)
@@ -95,6 +111,19 @@ def on_child_deployment(body: kopf.Body, **_: Any) -> None:
     for ref in body.metadata.get("ownerReferences") or []:
         if ref.get("kind") == api.KIND and ref.get("apiVersion", "").startswith(f"{api.GROUP}/"):
             _reconcile(body.metadata.namespace or "", ref["name"])
+
+
+def _pool_needs_reconcile(body: kopf.Body, type: str | None, **_: Any) -> bool:
+    """Deleted (recreate it), or scaled while an external scaler owns it (apply the new size)."""
+    status = body.get("status") or {}
+    return type == "DELETED" or (
+        status.get("scaledBy") == "external" and body.get("spec", {}).get("replicas") != status.get("desiredReplicas"))
+
+
+@kopf.on.event(api.GROUP, api.VERSION, api.POOL_PLURAL, labels=MANAGED, when=_pool_needs_reconcile)
+def on_pool_scaled(body: kopf.Body, **_: Any) -> None:
+    """kubectl scale, an HPA or KEDA changed a DisaggregatedPool: apply it to the Deployment now."""
+    _reconcile(body.metadata.namespace or "", body.spec.get("model") or "")
 
 
 def _unschedulable(body: kopf.Body, **_: Any) -> bool:
@@ -131,10 +160,13 @@ def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, pr
     kopf.configure(verbose=verbose)
     if metrics_port:
         start_http_server(metrics_port)
+    kopf.timer(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", interval=autoscale_interval,
+               initial_delay=autoscale_interval)(autoscale)
     kopf.run(
         standalone=True,  # one operator replica; no kopf peering CRDs needed
         clusterwide=not namespaces,
         namespaces=list(namespaces),
         liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz",
-        memo=kopf.Memo(options=options),
+        memo=kopf.Memo(options=options, signals=signal_source(prometheus_url),
+                       autoscaler_metrics=AutoscalerMetrics()),
     )

@@ -22,7 +22,11 @@ APPLY = ["create", "patch"]  # server-side apply is a PATCH; one that creates th
 RULES: tuple[tuple[str, tuple[str, ...], list[str], str], ...] = (
     (api.GROUP, (api.PLURAL,), ["get", "list", "watch", "patch"],
      "read and watch the resources; kopf patches in its finalizer and annotations (tandem.dev/...)"),
-    (api.GROUP, (f"{api.PLURAL}/status",), ["patch"], "write status (merge patch)"),
+    (api.GROUP, (api.POOL_PLURAL,), ["list", "watch", "create", "patch"],
+     "one DisaggregatedPool per pool (its scale subresource): create it, watch it for kubectl scale/HPA/KEDA, "
+     "patch spec.replicas once when a pool is handed over to an external scaler"),
+    (api.GROUP, (f"{api.PLURAL}/status", f"{api.POOL_PLURAL}/status"), ["patch"],
+     "write status (merge patch) of the resources and their DisaggregatedPools"),
     ("apps", ("deployments",), ["list", "watch", *APPLY],
      "apply the pools' and router's Deployments; watch them to revert edits and follow readiness"),
     ("", ("services", "serviceaccounts"), APPLY, "worker and router Services; the router's ServiceAccount"),

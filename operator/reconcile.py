@@ -14,11 +14,12 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import ValidationError
-from tandem.operator import builders, conditions
-from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, name_problem
+
+from tandem.operator import builders, conditions, pool_scale
+from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
 from tandem.operator.kube import Kube, KubeError
 from tandem.operator.layout_hash import spec_layout_hash
-from tandem.operator.replicas import desired_replicas
+from tandem.operator.replicas import desired_replicas, scaled_by
 from tandem.operator.rules import describe_validation_error
 
 # (resource, event type Normal|Warning, reason, message) -> a Kubernetes Event on the resource
@@ -28,7 +29,7 @@ _locks: dict[tuple[str, str], threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-def _lock_for(namespace: str, name: str) -> threading.Lock:
+def resource_lock(namespace: str, name: str) -> threading.Lock:
     """Handlers for the resource and for its children may run at once; one reconcile per resource at a time."""
     with _locks_guard:
         return _locks.setdefault((namespace, name), threading.Lock())
@@ -88,7 +89,7 @@ def _scale_events(before: Mapping[str, dict[str, Any]], owner: builders.Owner,
 
 def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome:
     """Reconcile the resource as it is now (re-read under the lock, so a queued trigger never acts on a stale copy)."""
-    with _lock_for(namespace, name):
+    with resource_lock(namespace, name):
         body = kube.get(API_VERSION, KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome()  # gone or going: owner references let the garbage collector remove the children
@@ -96,9 +97,8 @@ def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome
 
 
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
-                    layout_hash: str, outcome: Outcome, emit: Callable[[str, str, str], None]) -> None:
-    before = {d["metadata"]["name"]: d for d in
-              kube.list("apps/v1", "Deployment", owner.namespace, builders.instance_labels(owner))}
+                    layout_hash: str, outcome: Outcome, emit: Callable[[str, str, str], None],
+                    before: Mapping[str, dict[str, Any]]) -> None:
     for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash):
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
@@ -145,11 +145,15 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
     spec, outcome.invalid_spec = parse_spec(body)
 
     desired: dict[str, int] = {}
+    pools = pool_scale.PoolResources()
     if spec is not None:
         layout_hash = spec_layout_hash(spec)
-        desired = {pool: desired_replicas(spec, old_status, pool) for pool in POOLS}
+        before = {d["metadata"]["name"]: d for d in
+                  kube.list("apps/v1", "Deployment", owner.namespace, builders.instance_labels(owner))}
+        pools = _pool_resources(kube, owner, spec, old_status, before, outcome)
+        desired = {pool: desired_replicas(spec, old_status, pool, pools.external(pool)) for pool in POOLS}
         desired["router"] = spec.router.replicas
-        _apply_children(kube, owner, spec, desired, layout_hash, outcome, emit)
+        _apply_children(kube, owner, spec, desired, layout_hash, outcome, emit, before)
 
     observations = _observe(kube, owner, desired, outcome)
     problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error)
@@ -163,10 +167,14 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         status["layoutHash"] = layout_hash
         for obs in observations:
             pool_status = conditions.pool_status(obs)
-            if obs.component in POOLS and spec.pool(obs.component).autoscaling.enabled:
-                # The autoscaler owns desiredReplicas then; writing it back here could undo its latest choice.
-                pool_status.pop("desiredReplicas")
+            if obs.component in POOLS:
+                pool_status["scaledBy"] = scaled_by(spec, obs.component)
+                if pool_status["scaledBy"] == "autoscaler":
+                    # The autoscaler owns desiredReplicas then; writing it back here could undo its latest choice.
+                    pool_status.pop("desiredReplicas")
             status[obs.component] = pool_status
+        pool_scale.write_status(kube, owner.namespace, pool_scale.status_patches(
+            owner, spec, pools, desired, {o.component: o.deployment for o in observations}))
     outcome.status = status
 
     if _differs(old_status, status):
@@ -174,6 +182,24 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         for event in conditions.transitions(old_status.get("conditions") or [], new_conditions):
             emit(*event)
     return outcome
+
+
+def _pool_resources(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, old_status: Mapping[str, Any],
+                    before: Mapping[str, dict[str, Any]], outcome: Outcome) -> pool_scale.PoolResources:
+    """Read (and create, or hand over) the pools' DisaggregatedPools; a failure is reported, not raised."""
+    pools = pool_scale.read(kube, owner)
+    current: dict[PoolName, int | None] = {pool: ((before.get(builders.child_name(owner, pool)) or {}).get("spec") or {}).get("replicas")
+               for pool in POOLS}
+    fallback: dict[PoolName, int] = {pool: desired_replicas(spec, old_status, pool) for pool in POOLS}
+    try:
+        outcome.applied += pool_scale.ensure(kube, owner, spec, pools, current, fallback)
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        pools.error = f"DisaggregatedPool: {exc}"
+    if pools.error:
+        outcome.apply_error = pools.error
+    return pools
 
 
 def _differs(old: Mapping[str, Any], new: Mapping[str, Any]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge
+
 from tandem.worker import metrics
 
 _collectors: dict[str, Counter | Gauge] = {}
@@ -20,5 +21,7 @@ def operator_metric(definition: metrics.MetricDef) -> Counter | Gauge:
 
 def count_reconcile(namespace: str, name: str, failed: bool) -> None:
     operator_metric(metrics.RECONCILES).labels(namespace, name).inc()
+    # Touch the error series even on success, so it exists at 0 (a dashboard shows 0, not "No data").
+    errors = operator_metric(metrics.RECONCILE_ERRORS).labels(namespace, name)
     if failed:
-        operator_metric(metrics.RECONCILE_ERRORS).labels(namespace, name).inc()
+        errors.inc()

@@ -38,7 +38,7 @@ class LazyGroup(click.Group):
             if exc.name and module_name.startswith(exc.name):
                 return _not_yet(cmd_name, help_text, where)
             return _missing_dependency(cmd_name, help_text, exc)
-        command = getattr(module, "command")
+        command = module.command
         assert isinstance(command, click.Command)
         return command
 

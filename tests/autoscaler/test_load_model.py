@@ -10,6 +10,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+
 from tandem.worker import metrics as m
 
 TRACES = Path("/work/shared/traces")

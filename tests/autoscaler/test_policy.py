@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
+
 from tandem.operator.autoscaling import (
     DECODE,
     PREFILL,

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec

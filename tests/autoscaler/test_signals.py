@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
 from tandem.operator import signals as s
 from tandem.worker import metrics as m
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from prometheus_client import CollectorRegistry
+
 from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec

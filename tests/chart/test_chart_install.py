@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_helpers import CHART, REPO, helm_binary
+
 from tandem.operator import rbac
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tandem.worker import metrics as m
 
 DASHBOARDS = Path(__file__).resolve().parents[2] / "charts" / "tandem" / "dashboards"

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 from chart_helpers import CHART, KUBE_VERSION, REPO, Manifest, by_kind, helm_binary, promtool_binary, run
+
 from tandem.operator import builders, rbac
 
 Render = Callable[..., list[Manifest]]

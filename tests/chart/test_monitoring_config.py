@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import monitoring_config as cfg
 import pytest
+
 from tandem.worker import metrics as m
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+
 from tandem.worker.engine import EngineConfig, LLMEngine, SamplingParams
 from tandem.worker.model.tiny import build_tokenizer, write_tiny_model
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tandem.worker.kv.block_pool import BlockPool
 from tandem.worker.kv.manager import KVCacheManager
 from tandem.worker.kv.prefix_hash import block_hashes, hash_block

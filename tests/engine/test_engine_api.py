@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tandem.worker.engine import EngineConfig, LayerWrite, LLMEngine, RequestOutput, SamplingParams
 
 from .conftest import random_prompts

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+
 from tandem.worker.model import attention, flash
 
 

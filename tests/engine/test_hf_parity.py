@@ -7,6 +7,7 @@ import json
 from collections.abc import Callable
 
 import pytest
+
 from tandem.worker.engine import SamplingParams
 
 from .conftest import FAMILIES, GREEDY, HFModel, random_prompts

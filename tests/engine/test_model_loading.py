@@ -11,6 +11,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
+
 from tandem.worker.commands.tiny_model import command as make_tiny_model
 from tandem.worker.engine import EngineConfig, LLMEngine, SamplingParams
 from tandem.worker.model.loader import load_model
@@ -39,8 +40,9 @@ def test_cli_writes_a_loadable_model_of_each_family(tmp_path: Path, family: str)
 
 def test_tiny_model_loads_in_transformers_too(tmp_path: Path, hf_model: Callable[..., HFModel]) -> None:
     """Our writer's folders are real Hugging Face folders: transformers reads them and agrees."""
-    from tandem.worker.model.tiny import write_tiny_model
     from transformers import AutoModelForCausalLM
+
+    from tandem.worker.model.tiny import write_tiny_model
 
     path = write_tiny_model(tmp_path / "q3", family="qwen3", seed=3)
     reference = HFModel(path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval())  # type: ignore[no-untyped-call]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from tandem.worker.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from tandem.worker.engine.sampler import sample
 

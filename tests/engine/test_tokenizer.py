@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from tandem.worker.engine.detokenizer import OutputText
 from tandem.worker.model.tokenizer import Tokenizer
 

@@ -69,6 +69,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from operator_harness import OperatorProcess, wait_for  # noqa: E402
 
 CRD = REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml"
+POOL_CRD = REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"
+
+
 class Testbed:
     """What an operator integration test works with."""
 
@@ -101,9 +104,10 @@ class Testbed:
 @pytest.fixture(scope="module")
 def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
     namespace = f"op-{uuid.uuid4().hex[:6]}"
-    k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
+    for crd in (CRD, POOL_CRD):
+        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
     k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev")
+                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
     k8s_cluster.kubectl("create", "namespace", namespace)
     # Router pods land on the cluster's untainted `system` pool (hack/cluster-nodes.json).
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, tmp_path_factory.mktemp("operator") / "operator.log",

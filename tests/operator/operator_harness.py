@@ -40,8 +40,10 @@ def http_get(url: str) -> tuple[int, str]:
 class OperatorProcess:
     """`tandem operator` watching one namespace, with its log kept for failure messages."""
 
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, env: dict[str, str]) -> None:
+    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path, env: dict[str, str],
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.kubeconfig, self.namespace, self.log_path = kubeconfig, namespace, log_path
+        self.extra_args = extra_args
         self.env = dict(env, TANDEM_OPERATOR_RESYNC_SECONDS="5")
         self.proc: subprocess.Popen[bytes] | None = None
         self.health_port = self.metrics_port = 0
@@ -51,7 +53,7 @@ class OperatorProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it; closed on stop)
         self.proc = subprocess.Popen(
             [str(TANDEM), "operator", "--kubeconfig", str(self.kubeconfig), "--namespace", self.namespace,
-             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port)],
+             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port), *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
         )
         log.close()

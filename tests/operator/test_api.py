@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from tandem.operator.api import DisaggregatedModelSpec, name_problem
 from tandem.operator.reconcile import parse_spec
 

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+
 from tandem.operator import builders
 from tandem.operator.api import DisaggregatedModelSpec
 from tandem.operator.layout_hash import spec_layout_hash

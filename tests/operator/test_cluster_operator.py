@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from operator_harness import OperatorProcess, condition, wait_for
+
 from tandem.operator.rbac import cluster_role
 
 pytestmark = pytest.mark.integration

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+
 from tandem.operator.kube import _path
 from tandem.worker.cli import main
 

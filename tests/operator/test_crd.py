@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from tandem.operator.crd import custom_resource_definition, openapi_schema
 
 REPO = Path(__file__).resolve().parents[2]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
 from tandem.operator.api import DisaggregatedModelSpec
 from tandem.operator.replicas import desired_replicas
 

@@ -131,3 +131,18 @@ def test_models_health_and_metrics(disagg: Stack) -> None:
     assert metric_value(prefill, "tandem_kv_transfer_bytes_total", direction="send") > 0
     assert metric_value(decode, "tandem_fallback_prefills_total") == 0
     assert metric_value(decode, "tandem_kv_cache_total_blocks") > 0
+
+
+def test_prefix_cache_hit_on_prefill_still_ships_the_whole_kv(disagg: Stack, mono: Stack) -> None:
+    """A repeated prompt is partly served from the prefill worker's prefix cache; those blocks are
+    never computed (no layer callback), so they must be shipped from the block list before finish."""
+    prompt = "Prefix caching: " + "kettle lemon mirror needle ocean pepper " * 12
+    prefill = disagg.procs("prefill")[0]["url"]
+    decode = disagg.procs("decode")[0]["url"]
+    hits_before = metric_value(prefill, "tandem_prefix_cache_hits_total")
+    fallbacks_before = metric_value(decode, "tandem_fallback_prefills_total")
+    first = complete(disagg, prompt, max_tokens=10).choices[0].model_extra["token_ids"]
+    again = complete(disagg, prompt, max_tokens=10).choices[0].model_extra["token_ids"]
+    assert metric_value(prefill, "tandem_prefix_cache_hits_total") - hits_before >= 32
+    assert metric_value(decode, "tandem_fallback_prefills_total") == fallbacks_before
+    assert first == again == complete(mono, prompt, max_tokens=10).choices[0].model_extra["token_ids"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from tandem.worker.bench.client import RequestResult
 from tandem.worker.bench.stats import percentile, summarize
 from tandem.worker.bench.workload import (

@@ -8,6 +8,7 @@ does not exist ..."), which `pytest -ra` prints.
 from __future__ import annotations
 
 import pytest
+
 from tandem.worker.transfer import probe
 
 

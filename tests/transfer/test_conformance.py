@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+
 from tandem.worker import metrics as m
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer import TransferError, make_receiver, make_sender

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tandem.worker.transfer import probe
 
 TANDEM = Path(sys.executable).with_name("tandem")

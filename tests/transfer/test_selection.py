@@ -10,6 +10,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from tandem.worker import metrics as m
 from tandem.worker.transfer import RdmaProbe, TransferError, TransferTelemetry, choose_transport, probe
 from tandem.worker.transfer.rdma_probe import PYVERBS_MISSING, load_pyverbs, sysfs_ports

@@ -6,6 +6,7 @@ import struct
 
 import pytest
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer import TransferError, wire
 from tandem.worker.transfer.blocks import ascending_runs, read_blocks, write_blocks

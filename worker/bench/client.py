@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
+
 from tandem.worker.bench.workload import RequestSpec
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
 from tandem.worker.bench.stats import PERCENTILES, Summary
 
 

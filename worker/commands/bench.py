@@ -12,6 +12,7 @@ import click
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
 from tandem.worker.bench import client as bench_client
 from tandem.worker.bench import workload
 from tandem.worker.bench.report import print_summary, write_json

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
 
 import click
+
 from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 
 
@@ -42,6 +44,9 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
         if not services:
             raise click.UsageError("--discovery k8s|dns needs --prefill-service and/or --decode-service")
         method = "dns" if discovery == "dns" else "endpointslices"
+        if method == "endpointslices" and importlib.util.find_spec("kubernetes") is None:
+            raise click.UsageError("--discovery k8s needs the kubernetes package (pip install 'tandem[operator]'), "
+                                   "or use --discovery dns")
         source = KubernetesDiscovery(namespace, services, worker_port, method)
     elif workers_file is not None:
         if prefill or decode:
@@ -55,6 +60,7 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
     else:
         raise click.UsageError("no workers: give --workers-file, --prefill/--decode URLs, or --discovery k8s")
     import uvicorn
+
     from tandem.worker.router.app import RouterConfig, create_app
 
     cfg = RouterConfig(model_name=model_name, discovery=source, model_dir=model_dir,

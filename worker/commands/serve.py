@@ -13,6 +13,7 @@ import click
 import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+
 from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
 
 
@@ -54,6 +55,8 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
 @click.option("--host", default="127.0.0.1", show_default=True, help="Router address (workers stay on 127.0.0.1).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True,
+              help="cpu or cuda[:N] for every worker (set --kv-cache-bytes when several share one GPU).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV cache per worker (default: the engine's).")
@@ -67,7 +70,7 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="Per-request deadline enforced by the router.")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
-            transport: str, host: str, port: int, dtype: str, block_size: int, max_model_len: int | None,
+            transport: str, host: str, port: int, dtype: str, device: str, block_size: int, max_model_len: int | None,
             kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, prefill_fault: str | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
@@ -79,7 +82,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
     try:
         spec = StackSpec(model_dir=model_dir, model_name=model_name or default_name, mode=mode,
                          prefill_workers=prefill_workers if mode == "disaggregated" else 0,
-                         decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype,
+                         decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype, device=device,
                          block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                          max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault,
                          request_timeout=request_timeout)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import click
+
 from tandem.worker.server.config import WorkerConfig
 
 

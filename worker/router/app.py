@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
 from tandem.worker.router import errors

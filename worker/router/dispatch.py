@@ -21,6 +21,7 @@ from typing import TypeVar
 
 import httpx
 from pydantic import BaseModel, ValidationError
+
 from tandem.worker import metrics as m
 from tandem.worker.router import errors
 from tandem.worker.router.placement import PrefixAffinity, pick_decode, pick_prefill, prefix_key

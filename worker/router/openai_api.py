@@ -10,6 +10,7 @@ import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
 from tandem.worker.router.errors import APIError, bad_request
 from tandem.worker.server.protocol import Sampling
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
 from tandem.worker.model.tokenizer import Tokenizer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja",

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 from pydantic import ValidationError
+
 from tandem.worker.router.discovery import Discovery
 from tandem.worker.router.placement import Candidate
 from tandem.worker.server.protocol import WorkerInfo

@@ -12,6 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+
 from tandem.worker.router.tokens import tokenizer_files
 from tandem.worker.server.protocol import (
     AbortRequest,

@@ -118,4 +118,5 @@ class WorkerInfo(BaseModel):
     ready: bool
     draining: bool
     load_progress: float
+    in_flight: int = 0  # requests this worker is serving (streams, prefills, unclaimed reservations)
     stats: dict[str, Any] = Field(default_factory=dict)

@@ -13,6 +13,7 @@ import threading
 from types import FrameType
 
 import uvicorn
+
 from tandem.worker.server.config import WorkerConfig
 from tandem.worker.server.http import create_app
 from tandem.worker.server.worker import WorkerServer

@@ -63,6 +63,7 @@ class StackSpec:
     host: str = "127.0.0.1"
     port: int = 8000
     dtype: str = "float32"
+    device: str = "cpu"
     block_size: int = 16
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
@@ -103,7 +104,7 @@ class LocalStack:
         s = self.spec
         port, kv_port = free_port(), free_port()
         argv = [sys.executable, "-m", "tandem.worker.cli", "worker", "--role", role, "--model", str(s.model_dir),
-                "--model-name", s.model_name, "--dtype", s.dtype, "--block-size", str(s.block_size),
+                "--model-name", s.model_name, "--dtype", s.dtype, "--device", s.device, "--block-size", str(s.block_size),
                 "--transport", s.transport, "--host", "127.0.0.1", "--port", str(port), "--kv-port", str(kv_port),
                 "--pool", "local", *extra]
         if s.max_model_len:

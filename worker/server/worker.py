@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import threading
 import time
@@ -164,7 +165,8 @@ class WorkerServer:
             layout_hash=engine.kv_layout.layout_hash() if engine else "",
             kv_address=self.kv_address, transport=self.transport,
             max_model_len=engine.max_model_len if engine else 0, block_size=self.cfg.block_size,
-            ready=self.ready, draining=self.draining, load_progress=self.load_progress, stats=stats)
+            ready=self.ready, draining=self.draining, load_progress=self.load_progress, in_flight=self.busy(),
+            stats=stats)
 
     def metrics_text(self) -> bytes:
         from prometheus_client import generate_latest
@@ -283,8 +285,10 @@ class WorkerServer:
         blocks = await loop.acall(lambda e: e.reserve_kv(req.request_id, req.num_tokens))
         if blocks is None:
             raise Rejected(503, f"no room for {req.num_tokens} tokens of KV on this worker now")
+        # The prompt's KV fills exactly these blocks; that is what the prefill side sends.
+        blocks = list(blocks)[:math.ceil(req.num_tokens / self.cfg.block_size)]
         try:
-            res = self.intake.open(req.request_id, list(blocks), req.deadline_s)
+            res = self.intake.open(req.request_id, blocks, req.deadline_s)
         except Exception as exc:
             self._cancel_reservation(req.request_id)
             raise Rejected(500, f"could not expect the transfer: {exc}") from None

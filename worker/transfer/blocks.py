@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import zmq
+
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire

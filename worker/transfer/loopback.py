@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 from .tcp_receiver import TcpReceiver

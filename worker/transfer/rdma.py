@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire
@@ -55,9 +56,46 @@ def _require_rdma(found: RdmaProbe | None = None) -> tuple[Any, Any, str, int]:
         raise TransferError(UNAVAILABLE, found.reason)
     load_pyverbs()
     port = next(p for p in found.ports if p.active)
-    modules = {name: importlib.import_module(f"pyverbs.{name}")
-               for name in ("device", "pd", "mr", "cq", "qp", "wr", "addr", "enums")}
+    modules = pyverbs_modules()
     return modules["enums"], modules, port.device, port.port
+
+
+def pyverbs_modules() -> dict[str, Any]:
+    """The pyverbs modules this transport uses (enums live in pyverbs.libibverbs_enums in 59)."""
+    load_pyverbs()
+    modules = {name: importlib.import_module(f"pyverbs.{name}")
+               for name in ("device", "pd", "mr", "cq", "qp", "wr", "addr")}
+    modules["enums"] = importlib.import_module("pyverbs.libibverbs_enums")
+    return modules
+
+
+def rts_attributes(m: dict[str, Any], port: int, mtu: int, psn: int, remote: dict[str, Any]) -> Any:
+    """QP attributes for INIT -> RTR -> RTS towards `remote` (the settings of ibv_rc_pingpong)."""
+    attr = m["qp"].QPAttr(port_num=port)
+    attr.path_mtu = mtu
+    attr.max_dest_rd_atomic = 1
+    attr.max_rd_atomic = 1
+    attr.min_rnr_timer = 12
+    attr.timeout = 14
+    attr.retry_cnt = 7
+    attr.rnr_retry = 7
+    route = m["addr"].GlobalRoute(dgid=m["addr"].GID(str(remote["gid"])), sgid_index=_GID_INDEX)
+    attr.ah_attr = m["addr"].AHAttr(port_num=port, is_global=1, gr=route, dlid=int(remote["lid"]))
+    attr.dest_qp_num = int(remote["qpn"])
+    attr.rq_psn = psn
+    attr.sq_psn = int(remote["psn"])
+    return attr
+
+
+def write_request(m: dict[str, Any], wr_id: int, local_addr: int, length: int, lkey: int, rkey: int,
+                  remote_addr: int) -> Any:
+    """One signaled RDMA WRITE of [local_addr, +length) to remote_addr."""
+    e = m["enums"]
+    sge = m["wr"].SGE(local_addr, length, lkey)
+    wr = m["wr"].SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
+                        send_flags=e.IBV_SEND_SIGNALED)
+    wr.set_wr_rdma(rkey, remote_addr)
+    return wr
 
 
 class _Verbs:
@@ -94,21 +132,8 @@ class _Verbs:
         return {"qpn": qp.qp_num, "psn": psn, "lid": self.port_attr.lid, "gid": self.gid, "port": self.port}
 
     def connect(self, qp: Any, psn: int, remote: dict[str, Any]) -> None:
-        """INIT -> RTR -> RTS towards the remote endpoint (same settings as ibv_rc_pingpong)."""
-        attr = self.m["qp"].QPAttr(port_num=self.port)
-        attr.path_mtu = self.port_attr.active_mtu
-        attr.max_dest_rd_atomic = 1
-        attr.max_rd_atomic = 1
-        attr.min_rnr_timer = 12
-        attr.timeout = 14
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        route = self.m["addr"].GlobalRoute(dgid=self.m["addr"].GID(str(remote["gid"])), sgid_index=_GID_INDEX)
-        attr.ah_attr = self.m["addr"].AHAttr(port_num=self.port, is_global=1, gr=route, dlid=int(remote["lid"]))
-        attr.dest_qp_num = int(remote["qpn"])
-        attr.rq_psn = psn
-        attr.sq_psn = int(remote["psn"])
-        qp.to_rts(attr)
+        """INIT -> RTR -> RTS towards the remote endpoint."""
+        qp.to_rts(rts_attributes(self.m, self.port, self.port_attr.active_mtu, psn, remote))
 
 
 def _offset(layout: KVLayout, num_blocks: int, layer: int, kind: int, block: int) -> int:
@@ -197,7 +222,6 @@ class RdmaConnection(TcpConnection):
 
     def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
                dst: torch.Tensor) -> None:
-        e, wr_mod = self._verbs.e, self._verbs.m["wr"]
         unit = self.layout.bytes_per_block_layer_kv
         src_list, dst_list = src.tolist(), dst.tolist()
         start = 0
@@ -205,13 +229,11 @@ class RdmaConnection(TcpConnection):
             for s_first, s_length in ascending_runs(torch.tensor(src_list[start:start + length])):
                 d_first = dst_list[start]
                 wr_id = self._post_slot(transfer)
-                sge = wr_mod.SGE(self._verbs.base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
-                                 s_length * unit, self._verbs.mr.lkey)
-                wr = wr_mod.SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
-                                   send_flags=e.IBV_SEND_SIGNALED)
-                wr.set_wr_rdma(self._rkey, self._remote_base
-                               + _offset(self.layout, self.remote_blocks, layer, kind, d_first))
-                self._qp.post_send(wr)
+                self._qp.post_send(write_request(
+                    self._verbs.m, wr_id,
+                    self._verbs.base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
+                    s_length * unit, self._verbs.mr.lkey, self._rkey,
+                    self._remote_base + _offset(self.layout, self.remote_blocks, layer, kind, d_first)))
                 start += s_length
         pieces = self._pieces.setdefault(transfer.transfer_id, [])
         payload = read_blocks(self.kv_cache, layer, kind, src)

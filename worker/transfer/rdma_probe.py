@@ -8,6 +8,7 @@ is importable, asks libibverbs too. Every "no" comes with a reason in plain word
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -52,6 +53,13 @@ def load_pyverbs() -> ModuleType:
                             "docs/transfer.md") from exc
 
 
+def _pyverbs_version() -> str:
+    try:
+        return importlib.metadata.version("pyverbs")
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text().strip()
@@ -74,7 +82,7 @@ def probe(root: Path = SYSFS_ROOT) -> RdmaProbe:
     version = None
     try:
         load_pyverbs()
-        version = str(getattr(importlib.import_module("pyverbs"), "__version__", "unknown version"))
+        version = _pyverbs_version()
     except TransferError as exc:
         pyverbs_problem: str | None = exc.message
     else:

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 from .errors import UNAVAILABLE, TransferError

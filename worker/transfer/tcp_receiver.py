@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import zmq
+
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire

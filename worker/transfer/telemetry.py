@@ -8,6 +8,7 @@ private one that nothing exports, which is what tests and benchmarks want.
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from tandem.worker import metrics as m
 
 

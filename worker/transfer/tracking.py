@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+
 from tandem.worker.kv.layout import KVLayout
 
 from .errors import LAYOUT_MISMATCH, VERSION_MISMATCH, TransferError
