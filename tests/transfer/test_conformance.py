@@ -14,10 +14,11 @@ import torch
 
 from tandem.worker import metrics as m
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.transfer import TransferError, make_receiver, make_sender
+from tandem.worker.transfer import TransferError, TransferTelemetry, make_receiver, make_sender
 from tandem.worker.transfer.conformance import (
     TINY_LAYOUT,
     DoneWaiter,
+    Pair,
     RawTcpPeer,
     spawn_receiver,
     spawn_sender,
@@ -27,11 +28,11 @@ from tandem.worker.transfer.conformance import (
 pytestmark = pytest.mark.timeout(60)
 
 
-def failures(telemetry, transport: str, reason: str) -> float:
-    return telemetry.failures(transport, reason)
+def failures(telemetry: TransferTelemetry, transport: str, reason: str) -> float:
+    return float(telemetry.failures(transport, reason))
 
 
-def assert_copied(pair, src_ids: list[int], dst_ids: list[int]) -> None:
+def assert_copied(pair: Pair, src_ids: list[int], dst_ids: list[int]) -> None:
     assert torch.equal(pair.dst[:, :, dst_ids], pair.src[:, :, src_ids])
     untouched = [b for b in range(pair.dst.shape[2]) if b not in dst_ids]
     assert not pair.dst[:, :, untouched].any(), "blocks outside the reservation were written"
@@ -206,7 +207,6 @@ def test_sender_death_mid_transfer_frees_the_reservation(transport: str) -> None
 @pytest.mark.integration
 def test_receiver_death_mid_transfer_fails_the_sender(transport: str) -> None:
     from tandem.worker.transfer.conformance import make_cache
-    from tandem.worker.transfer.telemetry import TransferTelemetry
 
     peer = spawn_receiver(transport, 16)
     telemetry = TransferTelemetry()

@@ -19,7 +19,7 @@ def pyverbs_problem() -> str | None:
     try:
         load_pyverbs()
     except TransferError as exc:
-        return exc.message
+        return str(exc.message)
     return None
 
 

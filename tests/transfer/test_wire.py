@@ -16,7 +16,8 @@ from tandem.worker.transfer.tracking import Reservation, check_data_frame
 UNIT = TINY_LAYOUT.bytes_per_block_layer_kv
 
 
-def frame(payload: bytearray, dst: list[int], layer: int = 0, kind: int = 0, tid: bytes = b"t"):
+def frame(payload: bytearray, dst: list[int], layer: int = 0, kind: int = 0,
+          tid: bytes = b"t") -> tuple[bytes, bytes]:
     ids = struct.pack(f"<{len(dst)}i", *dst)
     digest = wire.frame_digest(0, layer, kind, len(dst), len(payload), tid, ids, payload)
     return wire.pack_header(0, layer, kind, len(dst), len(payload), digest), ids

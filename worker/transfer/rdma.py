@@ -119,6 +119,10 @@ class _Verbs:
         self.port_attr = self.ctx.query_port(self.port)
         self.gid = str(self.ctx.query_gid(self.port, _GID_INDEX).gid)
 
+    def close(self) -> None:
+        """Release the region, domain and context (pyverbs closes their dependents too)."""
+        self.ctx.close()
+
     def new_qp(self) -> tuple[Any, Any, int]:
         cq = self.m["cq"].CQ(self.ctx, 2 * _QP_DEPTH, None, None, 0)
         cap = self.m["qp"].QPCap(max_send_wr=_QP_DEPTH, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
@@ -160,6 +164,16 @@ class RdmaReceiver(TcpReceiver):
         self._qps[session_id] = (qp, cq)
         return {"rdma": {**self._verbs.endpoint(qp, psn), "addr": self._verbs.base,
                          "rkey": self._verbs.mr.rkey}}
+
+    def _session_closed(self, session_id: str) -> None:
+        qp_cq = self._qps.pop(session_id, None)
+        if qp_cq is not None:
+            for resource in qp_cq:
+                resource.close()
+
+    def close(self) -> None:
+        super().close()
+        self._verbs.close()
 
     def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
         pieces = msg.get("pieces")
@@ -295,3 +309,7 @@ class RdmaSender(TcpSender):
 
     def _open(self, address: str) -> TcpConnection:
         return RdmaConnection(self, address)
+
+    def close(self) -> None:
+        super().close()
+        self.verbs.close()

@@ -218,6 +218,9 @@ class TcpReceiver:
         """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
         return {}
 
+    def _session_closed(self, session_id: str) -> None:
+        """A sender went away (rdma frees its queue pair here)."""
+
     def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
         """tcp: every frame was verified as it came; DONE goes out when the last one is written."""
         reservation.finish_requested = True
@@ -383,6 +386,7 @@ class TcpReceiver:
             self._fd_session.pop(other_fd, None)
         for identity in session.identities:
             self._identity_session.pop(identity, None)
+        self._session_closed(session.session_id)
         with self._lock:
             orphans = [r for r in self._reservations.values() if r.session == session.session_id]
         for reservation in orphans:
