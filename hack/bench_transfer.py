@@ -9,6 +9,7 @@ process in both cases, so the two sides do not share a GIL. It also reports the 
 processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
+        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default ...]   # several: an A/B in one run
 """
 
 from __future__ import annotations
@@ -39,20 +40,30 @@ UNIT = 2 * LAYOUT.bytes_per_block_layer_kv  # bytes per block (K + V)
 
 
 @dataclass
+class Stats:
+    """One transport at one batch size."""
+
+    gbps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_s_per_gib: float
+
+
+@dataclass
 class Row:
     size: int
-    raw_gbps: float
-    raw_p50_ms: float
-    raw_p99_ms: float
-    tcp_gbps: float
-    tcp_p50_ms: float
-    tcp_p99_ms: float
-    raw_cpu_s_per_gib: float
-    tcp_cpu_s_per_gib: float
+    raw: Stats
+    tcp: dict[str, Stats]  # by variant label, in the order given
 
-    @property
-    def ratio(self) -> float:
-        return self.tcp_gbps / self.raw_gbps
+
+@dataclass(frozen=True)
+class Variant:
+    """A tcp transport configuration to measure (several may run side by side: an A/B in one run)."""
+
+    label: str
+    streams: int
+    frame_bytes: int
+    keep_freed_buffers: bool = True  # the transport's allocator setting (allocator.py); the receiver's is what counts
 
 
 def parse_size(text: str) -> int:
@@ -123,10 +134,10 @@ class RawClient:
 
 # --- tandem tcp transport --------------------------------------------------------------------
 
-def tcp_server(conn: Any, num_blocks: int) -> None:
+def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool) -> None:
     cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                         LAYOUT.head_dim, dtype=torch.float16)
-    receiver = TcpReceiver(LAYOUT, cache)
+    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers)
     conn.send(receiver.address)
     done = threading.Event()
     errors: list[str] = []
@@ -153,15 +164,18 @@ def tcp_server(conn: Any, num_blocks: int) -> None:
 class TcpClient:
     """tandem tcp transfers (begin, send_layer, finish) to a receiver in a child process."""
 
-    def __init__(self, max_size: int, streams: int, frame_bytes: int) -> None:
+    def __init__(self, max_size: int, variant: Variant) -> None:
         num_blocks = max_size // UNIT
         self.pipe, child = mp.Pipe()
-        self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks), daemon=True)
+        self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks,
+                                                                             variant.keep_freed_buffers), daemon=True)
         self.proc.start()
         address = self.pipe.recv()
         cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                             LAYOUT.head_dim).to(torch.float16)
-        self.sender = TcpSender(LAYOUT, cache, streams=streams, frame_bytes=frame_bytes)
+        # The allocator setting is per process: this one's (the senders') is whatever the first variant chose.
+        self.sender = TcpSender(LAYOUT, cache, streams=variant.streams, frame_bytes=variant.frame_bytes,
+                                keep_freed_buffers=variant.keep_freed_buffers)
         self.conn = self.sender.connect(address)
         self.counter = 0
 
@@ -191,46 +205,63 @@ Client = RawClient | TcpClient
 
 
 def measure(clients: dict[str, Client], sizes: list[int], seconds: float,
-            rounds: int = 4) -> dict[str, tuple[dict[int, list[float]], dict[int, float]]]:
-    """Alternate the clients in short rounds per size, so load from elsewhere hits both alike."""
-    results: dict[str, tuple[dict[int, list[float]], dict[int, float]]] = {
-        name: ({size: [] for size in sizes}, {size: 0.0 for size in sizes}) for name in clients}
+            rounds: int = 4) -> dict[str, dict[int, Stats]]:
+    """Alternate the clients in short rounds per size, so load from elsewhere hits them alike."""
+    times: dict[str, dict[int, list[float]]] = {name: {size: [] for size in sizes} for name in clients}
+    cpu: dict[str, dict[int, float]] = {name: {size: 0.0 for size in sizes} for name in clients}
     for size in sizes:
         for _ in range(rounds):
             for name, client in clients.items():
-                times, cpu = results[name]
                 cpu_start, count = client.cpu_now(), 0
                 stop = time.monotonic() + seconds / rounds
                 while time.monotonic() < stop or count < 2:
-                    times[size].append(client.transfer(size))
+                    times[name][size].append(client.transfer(size))
                     count += 1
-                cpu[size] += client.cpu_now() - cpu_start
-        for name in clients:
-            times, cpu = results[name]
-            cpu[size] /= size * len(times[size]) / 2**30
-    return results
-
-
-def summarize(sizes: list[int], raw: tuple[dict[int, list[float]], dict[int, float]],
-              tcp: tuple[dict[int, list[float]], dict[int, float]]) -> list[Row]:
-    rows = []
-    for size in sizes:
-        r, t = raw[0][size], tcp[0][size]
-        rows.append(Row(size, size / statistics.median(r) / 1e9, percentile(r, 0.5) * 1e3, percentile(r, 0.99) * 1e3,
-                        size / statistics.median(t) / 1e9, percentile(t, 0.5) * 1e3, percentile(t, 0.99) * 1e3,
-                        raw[1][size], tcp[1][size]))
-    return rows
+                cpu[name][size] += client.cpu_now() - cpu_start
+    return {name: {size: Stats(size / statistics.median(times[name][size]) / 1e9,
+                               percentile(times[name][size], 0.5) * 1e3, percentile(times[name][size], 0.99) * 1e3,
+                               cpu[name][size] / (size * len(times[name][size]) / 2**30))
+                   for size in sizes} for name in clients}
 
 
 def table(rows: list[Row]) -> str:
-    lines = ["| batch | raw socket GB/s | tandem tcp GB/s | tcp / raw | raw p50 / p99 ms | tcp p50 / p99 ms "
-             "| CPU s per GiB raw / tcp |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    labels = list(rows[0].tcp) if rows else []
+    head = ["batch", "raw socket GB/s"]
+    for label in labels:
+        head += [f"{label} GB/s", f"{label} / raw"]
+    head += ["raw p50 / p99 ms", *(f"{label} p50 / p99 ms" for label in labels),
+             "CPU s per GiB raw / " + " / ".join(labels)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in rows:
-        lines.append(f"| {human(row.size)} | {row.raw_gbps:.2f} | {row.tcp_gbps:.2f} | {row.ratio:.0%} | "
-                     f"{row.raw_p50_ms:.2f} / {row.raw_p99_ms:.2f} | {row.tcp_p50_ms:.2f} / {row.tcp_p99_ms:.2f} | "
-                     f"{row.raw_cpu_s_per_gib:.2f} / {row.tcp_cpu_s_per_gib:.2f} |")
+        cells = [human(row.size), f"{row.raw.gbps:.2f}"]
+        for label in labels:
+            cells += [f"{row.tcp[label].gbps:.2f}", f"{row.tcp[label].gbps / row.raw.gbps:.0%}"]
+        cells.append(f"{row.raw.p50_ms:.2f} / {row.raw.p99_ms:.2f}")
+        cells += [f"{row.tcp[label].p50_ms:.2f} / {row.tcp[label].p99_ms:.2f}" for label in labels]
+        cells.append(" / ".join(f"{stats.cpu_s_per_gib:.2f}" for stats in (row.raw, *row.tcp.values())))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
+    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default]`, e.g. `f1m:frame=1M`; unset keys take
+    --streams / --frame-bytes, and alloc=keep (the transport's allocator setting, allocator.py)."""
+    label, _, options = text.partition(":")
+    keep = True
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if key == "streams":
+            streams = int(value)
+        elif key == "frame":
+            frame_bytes = parse_size(value)
+        elif key == "alloc" and value in ("keep", "default"):
+            keep = value == "keep"
+        else:
+            raise ValueError(f"unknown variant option {option!r} in {text!r} (streams=N, frame=SIZE, "
+                             "alloc=keep|default)")
+    if not label or streams <= 0 or frame_bytes <= 0:
+        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default]")
+    return Variant(label, streams, frame_bytes, keep)
 
 
 def main() -> int:
@@ -238,28 +269,41 @@ def main() -> int:
     parser.add_argument("--sizes", default="64K,256K,1M,4M,16M,64M")
     parser.add_argument("--seconds", type=float, default=1.5, help="time spent per size and transport")
     parser.add_argument("--streams", type=int, default=2)
-    parser.add_argument("--frame-bytes", default="4M")
+    parser.add_argument("--frame-bytes", default="2M")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default]; repeat for an "
+                             "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     if any(size < UNIT or size % UNIT for size in sizes):
         parser.error(f"every size must be a positive multiple of {UNIT} bytes (one block, K and V)")
-    clients: dict[str, Client] = {"raw": RawClient(max(sizes)),
-                                  "tcp": TcpClient(max(sizes), args.streams, parse_size(args.frame_bytes))}
     try:
+        variants = [parse_variant(text, args.streams, parse_size(args.frame_bytes)) for text in args.variant or ["tcp"]]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if len({v.label for v in variants}) != len(variants):
+        parser.error("variant labels must differ")
+    clients: dict[str, Client] = {"raw": RawClient(max(sizes))}
+    try:
+        for v in variants:
+            clients[v.label] = TcpClient(max(sizes), v)
         results = measure(clients, sizes, args.seconds)
     finally:
         for client in clients.values():
             client.close()
-    raw, tcp = results["raw"], results["tcp"]
-    rows = summarize(sizes, raw, tcp)
+    rows = [Row(size, results["raw"][size], {v.label: results[v.label][size] for v in variants}) for size in sizes]
     load = os.getloadavg()[0]
+    described = ", ".join(f"{v.label} = {v.streams} streams, {human(v.frame_bytes)} frames"
+                          f"{'' if v.keep_freed_buffers else ', default allocator'}" for v in variants)
     print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, load {load:.1f}; one run, raw and tcp "
-          "alternating per size; GB/s from the median transfer)")
+          f"alternating per size; GB/s from the median transfer; {described})")
     print(table(rows))
     if args.json:
         with open(args.json, "w") as out:
-            json.dump([{**asdict(row), "ratio": row.ratio} for row in rows], out, indent=2)
+            json.dump([{"size": row.size, "raw": asdict(row.raw),
+                        "tcp": {label: {**asdict(stats), "ratio": stats.gbps / row.raw.gbps}
+                                for label, stats in row.tcp.items()}} for row in rows], out, indent=2)
     return 0
 
 

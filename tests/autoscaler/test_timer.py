@@ -202,6 +202,16 @@ def test_ratio_band_from_spec(ratio: dict[str, float], band: tuple[float | None,
     assert (got.min_prefill_per_decode, got.max_prefill_per_decode) == band
 
 
+def test_an_externally_scaled_pool_is_left_to_its_owner_and_held_fixed_by_the_band() -> None:
+    spec = make_spec(decode={"mode": "external"}, ratio={"maxPrefillPerDecode": 1})
+    source = FixedSignals({"prefill": {sig.QUEUE_REQUESTS: 40.0}, "decode": {sig.KV_USAGE: 0.99}})
+    r = t.autoscale_tick(spec=spec, status={"decode": {"desiredReplicas": 9}}, namespace="team-a", counts=READY,
+                         signals=source, clock=lambda: T0, external={"decode": 3})
+    assert set(r.desired) == {"prefill"}, "Tandem's autoscaler never writes a pool an external scaler owns"
+    assert [sel.pool for sel in source.selectors] == ["prefill"], "and does not query its signals"
+    assert r.desired["prefill"] == 3, "decode is at 3 (its DisaggregatedPool), so the band caps prefill at 3"
+
+
 def test_metrics_are_recorded_under_the_shared_names() -> None:
     registry = CollectorRegistry()
     metrics = t.AutoscalerMetrics(registry)
@@ -213,6 +223,7 @@ def test_metrics_are_recorded_under_the_shared_names() -> None:
     assert registry.get_sample_value(m.AUTOSCALER_CURRENT.name, labels) == 2
     assert registry.get_sample_value(m.AUTOSCALER_SIGNAL.name, labels) == 8
     assert registry.get_sample_value(m.AUTOSCALER_TARGET.name, labels) == 4
+    assert registry.get_sample_value(m.AUTOSCALER_MAX.name, labels) == 16
     assert registry.get_sample_value(m.exposed_name(m.AUTOSCALER_SCALE_EVENTS), {**labels, "direction": "up"}) == 1
     decode_signal = registry.get_sample_value(m.AUTOSCALER_SIGNAL.name, {**labels, "pool": "decode"})
     assert decode_signal is not None and math.isnan(decode_signal), "missing is a gap, not 0"

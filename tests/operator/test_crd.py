@@ -114,3 +114,36 @@ def test_operator_docs_list_exactly_the_rbac_rules() -> None:
 
     assert markdown_table() in (REPO / "docs" / "operator.md").read_text(), \
         "docs/operator.md's RBAC table differs from tandem.operator.rbac.RULES"
+
+
+def test_pool_crd_exposes_a_scale_subresource() -> None:
+    from tandem.operator.crd import pool_custom_resource_definition, pool_openapi_schema
+
+    crd = pool_custom_resource_definition()
+    assert crd["metadata"]["name"] == "disaggregatedpools.tandem.dev"
+    assert crd["spec"]["names"]["shortNames"] == ["dmpool"]
+    (version,) = crd["spec"]["versions"]
+    assert version["subresources"]["scale"] == {"specReplicasPath": ".spec.replicas",
+                                                "statusReplicasPath": ".status.replicas",
+                                                "labelSelectorPath": ".status.selector"}
+    schema = pool_openapi_schema()
+    assert schema["properties"]["spec"]["required"] == ["model", "pool", "replicas"]
+    for path, node in _walk(schema):
+        assert not {"$ref", "$defs", "title", "anyOf"} & set(node), path
+    docs = (REPO / "docs" / "crd.md").read_text()
+    for part in ("spec", "status"):
+        for path, _ in _walk(schema["properties"][part], part):
+            assert f"| `{path}` |" in docs, f"{path} (DisaggregatedPool) missing from docs/crd.md"
+
+
+def test_autoscaling_knobs_have_the_policy_defaults() -> None:
+    from tandem.operator.autoscaling import PoolPolicy
+
+    auto = openapi_schema()["properties"]["spec"]["properties"]["prefill"]["properties"]["autoscaling"]["properties"]
+    policy = PoolPolicy(min_replicas=1, max_replicas=1, target=1.0)
+    assert auto["tolerance"]["default"] == policy.tolerance
+    assert auto["maxScaleUpPods"]["default"] == policy.max_scale_up_pods
+    assert auto["maxScaleUpPercent"]["default"] == policy.max_scale_up_percent
+    assert auto["cooldownSeconds"]["default"] == policy.cooldown_s
+    assert auto["mode"]["enum"] == ["tandem", "external"] and auto["mode"]["default"] == "tandem"
+    assert "lowest" in auto["scaleUpStabilizationSeconds"]["description"]

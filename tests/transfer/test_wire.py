@@ -29,10 +29,10 @@ def random_payload(blocks: int, seed: int = 0) -> bytearray:
 
 
 def test_header_round_trip() -> None:
-    header = wire.pack_header(7, 2, 1, 3, 3 * UNIT, (1, 2, 3))
+    header = wire.pack_header(7, 2, 1, 3, 3 * UNIT, (1 << 63, 2))
     parsed = wire.unpack_header(header)
     assert (parsed.seq, parsed.layer, parsed.kind, parsed.block_count, parsed.byte_count, parsed.digest) == (
-        7, 2, 1, 3, 3 * UNIT, (1, 2, 3))
+        7, 2, 1, 3, 3 * UNIT, (1 << 63, 2))
     with pytest.raises(ValueError, match="header"):
         wire.unpack_header(header[:-1])
 
@@ -59,12 +59,21 @@ def test_digest_covers_header_fields_and_ids() -> None:
     assert wire.frame_digest(0, 0, 0, 2, len(payload), b"u", b"\x01\x00\x00\x00", payload) != base
 
 
+def test_moving_bytes_between_parts_changes_the_digest() -> None:
+    # The same bytes split differently (ids vs payload, K vs V) must not digest the same.
+    payload = random_payload(2)
+    whole = wire.frame_digest(0, 0, wire.KV, 2, len(payload), b"t", b"", payload[:UNIT], payload[UNIT:])
+    moved = wire.frame_digest(0, 0, wire.KV, 2, len(payload), b"t", b"", payload[:UNIT + 4], payload[UNIT + 4:])
+    into_ids = wire.frame_digest(0, 0, wire.KV, 2, len(payload), b"t", payload[:4], payload[4:UNIT], payload[UNIT:])
+    assert len({whole, moved, into_ids}) == 3
+
+
 def test_check_data_frame_accepts_a_good_frame_and_names_the_problem_otherwise() -> None:
     payload = random_payload(2)
     header, ids = frame(payload, [5, 6])
     dst = check_data_frame(TINY_LAYOUT, wire.unpack_header(header), b"t", memoryview(bytearray(ids)),
                            memoryview(payload))
-    assert dst.tolist() == [5, 6]
+    assert dst == [5, 6]
     with pytest.raises(TransferError) as short:
         check_data_frame(TINY_LAYOUT, wire.unpack_header(header), b"t", memoryview(bytearray(ids)),
                          memoryview(payload[:-4]))
@@ -95,7 +104,7 @@ def test_reservation_tracks_every_layer_kind_and_block() -> None:
     for layer in range(2):
         for kind in (0, 1):
             positions = reservation.positions(layer, kind, torch.tensor([5, 9, 3]))
-            assert positions.tolist() == [2, 0, 1]
+            assert positions == [2, 0, 1]
             reservation.mark(layer, kind, positions, 3 * UNIT)
     assert reservation.complete and reservation.bytes_received == 12 * UNIT
     with pytest.raises(TransferError, match="twice"):

@@ -34,9 +34,11 @@ from tandem.worker.server.protocol import (
     WorkerInfo,
 )
 from tandem.worker.server.telemetry import Telemetry
+from tandem.worker.transfer.errors import ABANDONED, TIMEOUT
 
 log = logging.getLogger(__name__)
 
+# Registered by TransferTelemetry, in this worker's registry (see _start_transport).
 TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
 
 
@@ -120,7 +122,9 @@ class WorkerServer:
         from tandem.worker.transfer.telemetry import TransferTelemetry
 
         cfg = self.cfg
-        self.transfer_telemetry = TransferTelemetry(model=self.model_name, role=cfg.role, pool=cfg.pool)
+        # The worker's own registry (once per process), so the transfer series are on its /metrics.
+        self.transfer_telemetry = TransferTelemetry(self.telemetry.registry, model=self.model_name, role=cfg.role,
+                                                    pool=cfg.pool)
         # Raises TransferError(unavailable) with the reason when rdma is asked for and cannot run here.
         kind, why = choose_transport(cfg.transport, self.transfer_telemetry)
         self.transport = kind
@@ -169,12 +173,7 @@ class WorkerServer:
             stats=stats)
 
     def metrics_text(self) -> bytes:
-        from prometheus_client import generate_latest
-
-        body = self.telemetry.render()
-        if self.transfer_telemetry is not None:
-            body += generate_latest(self.transfer_telemetry.registry)
-        return body
+        return self.telemetry.render()  # the transfer series share this registry (see _start_transport)
 
     def _on_step(self, outputs: list[Any], stats: Any) -> None:  # engine thread
         t = self.telemetry
@@ -317,15 +316,16 @@ class WorkerServer:
         deadline = time.monotonic() + req.deadline_s
         res = self.intake.claim(req.request_id)
         error: str | None = None if res is not None else "no reservation for this request here"
+        given_up: str | None = None  # failure reason when this side abandons a transfer still pending
         if res is not None and req.kv_ready:
             try:
                 outcome = await asyncio.wait_for(asyncio.shield(res.outcome),
                                                  min(self.cfg.kv_wait_timeout, deadline - time.monotonic()))
                 error = None if outcome is None else str(outcome)
             except TimeoutError:
-                error = "the KV did not arrive in time"
+                error, given_up = "the KV did not arrive in time", TIMEOUT
         elif res is not None:
-            error = "the prefill worker could not ship the KV"
+            error, given_up = "the prefill worker could not ship the KV", ABANDONED
         if error is None and res is not None:
             params = self._params(req.sampling)
             try:
@@ -343,6 +343,10 @@ class WorkerServer:
         # Fallback: prefill prompt + first token here. Slower, same tokens under greedy sampling.
         log.warning("request %s: %s; prefilling locally", req.request_id, error)
         if res is not None:
+            if given_up is not None and self._receiver is not None:
+                # Counted in tandem_kv_transfer_failures_total unless the receiver already
+                # reported this transfer's outcome (then it was counted there).
+                self._receiver.cancel(res.transfer_id, reason=given_up)
             self.intake.drop(res)
         self.telemetry.inc(m.FALLBACK_PREFILLS)
         sub = await self._add(loop, req.request_id, [*req.prompt_token_ids, req.first_token_id], req.sampling,

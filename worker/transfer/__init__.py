@@ -12,7 +12,8 @@ Decode side (owns the destination blocks):
         # on_done(transfer_id, TransferError) on timeout, sender death, corrupt frame, abort.
         # After either, nothing more is written into those blocks: free or admit them.
         # Runs on the receiver's I/O thread: keep it short (hand off to the engine loop).
-    recv.cancel(transfer_id) -> bool  # drop a reservation yourself (no callback)
+    recv.cancel(transfer_id, reason=None) -> bool  # drop a reservation yourself (no callback); with a
+        # reason ("abandoned", "timeout") a still-pending transfer also counts as failed
     recv.close()                      # pending reservations get on_done(..., TransferError("closed"))
 
 Prefill side (owns the source blocks):

@@ -9,6 +9,7 @@ a verified payload into (layer, K/V, destination blocks) of its own cache.
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import torch
 
@@ -31,22 +32,9 @@ def check_cache(layout: KVLayout, kv_cache: torch.Tensor) -> None:
         raise ValueError("kv_cache must be contiguous")
 
 
-def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's memory, without copying.
-
-    The view keeps the tensor alive (zmq holds the view until the bytes are on the wire).
-    """
-    if tensor.device.type != "cpu" or not tensor.is_contiguous():
-        raise ValueError("tensor_memoryview needs a contiguous CPU tensor")
-    nbytes = tensor.numel() * tensor.element_size()
-    raw = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    raw.owner = tensor  # type: ignore[attr-defined]
-    return memoryview(raw).cast("B")
-
-
-def ascending_runs(ids: torch.Tensor) -> list[tuple[int, int]]:
+def ascending_runs(ids: Sequence[int] | torch.Tensor) -> list[tuple[int, int]]:
     """(first id, length) of each run of consecutive ids, in order: [3,4,5,9] -> [(3,3),(9,1)]."""
-    values = ids.tolist()
+    values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
     runs: list[tuple[int, int]] = []
     for value in values:
         if runs and value == runs[-1][0] + runs[-1][1]:
@@ -60,39 +48,56 @@ def _address(buffer: memoryview | bytearray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
-def read_blocks(kv_cache: torch.Tensor, layer: int, kind: int, src_ids: torch.Tensor) -> memoryview:
+def _block_geometry(kv_cache: torch.Tensor, layer: int, kind: int) -> tuple[int, int]:
+    """(address of block 0 of kv_cache[layer, kind], bytes per block) of a contiguous CPU cache.
+
+    Plain arithmetic instead of torch indexing: this runs per frame, where each torch call's
+    overhead (microseconds) adds up to more than the bookkeeping itself.
+    """
+    num_blocks = kv_cache.shape[2]
+    block_bytes = kv_cache.stride(2) * kv_cache.element_size()
+    return kv_cache.data_ptr() + (layer * 2 + kind) * num_blocks * block_bytes, block_bytes
+
+
+def read_blocks(kv_cache: torch.Tensor, layer: int, kind: int, src_ids: Sequence[int] | torch.Tensor) -> memoryview:
     """The bytes of kv_cache[layer, kind, src_ids], in src_ids order, ready to send."""
-    region = kv_cache[layer, kind]
-    count = src_ids.numel()
-    block_bytes = region[0].numel() * region.element_size()
+    count = len(src_ids)
     if kv_cache.device.type == "cpu":
+        base, block_bytes = _block_geometry(kv_cache, layer, kind)
         runs = ascending_runs(src_ids)
-        if len(runs) == 1:
-            return tensor_memoryview(region[runs[0][0]:runs[0][0] + count])
+        if len(runs) == 1:  # one run: a view of the cache itself, zero-copy
+            raw = (ctypes.c_char * (count * block_bytes)).from_address(base + runs[0][0] * block_bytes)
+            raw.owner = kv_cache  # type: ignore[attr-defined]  # zmq may hold the view after we return
+            return memoryview(raw).cast("B")
         # memmove per run rather than index_select: one thread, plain memcpy, no spinning pool
         staging = bytearray(count * block_bytes)
-        base, offset = _address(staging), 0
+        staging_address, offset = _address(staging), 0
         for first, length in runs:
-            ctypes.memmove(base + offset, region[first].data_ptr(), length * block_bytes)
+            ctypes.memmove(staging_address + offset, base + first * block_bytes, length * block_bytes)
             offset += length * block_bytes
         return memoryview(staging)
+    region = kv_cache[layer, kind]
+    block_bytes = region[0].numel() * region.element_size()
+    index = src_ids if isinstance(src_ids, torch.Tensor) else torch.tensor(src_ids, dtype=torch.int64)
     staging = bytearray(count * block_bytes)
     out = torch.frombuffer(staging, dtype=torch.uint8).view(region.dtype).view(count, *region.shape[1:])
-    out.copy_(region.index_select(0, src_ids.to(region.device)))
+    out.copy_(region.index_select(0, index.to(region.device)))
     return memoryview(staging)
 
 
-def write_blocks(kv_cache: torch.Tensor, layer: int, kind: int, dst_ids: torch.Tensor,
+def write_blocks(kv_cache: torch.Tensor, layer: int, kind: int, dst_ids: Sequence[int] | torch.Tensor,
                  payload: memoryview) -> None:
     """Copy a verified payload into kv_cache[layer, kind, dst_ids] (payload in dst_ids order)."""
-    region = kv_cache[layer, kind]
-    count = dst_ids.numel()
-    block_bytes = region[0].numel() * region.element_size()
+    count = len(dst_ids)
     if kv_cache.device.type == "cpu" and not payload.readonly:
-        base, offset = _address(payload), 0
+        base, block_bytes = _block_geometry(kv_cache, layer, kind)
+        payload_address, offset = _address(payload), 0
         for first, length in ascending_runs(dst_ids):
-            ctypes.memmove(region[first].data_ptr(), base + offset, length * block_bytes)
+            ctypes.memmove(base + first * block_bytes, payload_address + offset, length * block_bytes)
             offset += length * block_bytes
         return
+    region = kv_cache[layer, kind]
+    block_bytes = region[0].numel() * region.element_size()
     source = torch.frombuffer(payload, dtype=torch.uint8).view(region.dtype).view(count, *region.shape[1:])
-    region.index_copy_(0, dst_ids.to(region.device), source.to(region.device))
+    index = dst_ids if isinstance(dst_ids, torch.Tensor) else torch.tensor(dst_ids, dtype=torch.int64)
+    region.index_copy_(0, index.to(region.device), source.to(region.device))

@@ -17,12 +17,13 @@ INVALID_FRAME = "invalid_frame"  # a frame does not fit the layout or the reserv
 UNKNOWN_TRANSFER = "unknown_transfer"  # the receiver expects no transfer with this id
 INCOMPLETE = "incomplete"  # finish() before every (layer, K/V, block) was sent
 ABORTED = "aborted"  # one side gave up on purpose (abort() or cancel())
+ABANDONED = "abandoned"  # the receiver gave up on a transfer its sender never started or finished
 CLOSED = "closed"  # the sender or receiver was closed
 UNAVAILABLE = "unavailable"  # the transport cannot run here (no pyverbs, no RDMA device)
 
 REASONS = frozenset({
     LAYOUT_MISMATCH, VERSION_MISMATCH, CONNECT_FAILED, PEER_LOST, TIMEOUT, CORRUPT_FRAME,
-    INVALID_FRAME, UNKNOWN_TRANSFER, INCOMPLETE, ABORTED, CLOSED, UNAVAILABLE,
+    INVALID_FRAME, UNKNOWN_TRANSFER, INCOMPLETE, ABORTED, ABANDONED, CLOSED, UNAVAILABLE,
 })
 
 

@@ -20,9 +20,18 @@ import zmq
 
 from tandem.worker.kv.layout import KVLayout
 
-from . import wire
+from . import allocator, wire
 from .blocks import check_cache, write_blocks
-from .errors import ABORTED, CLOSED, INVALID_FRAME, PEER_LOST, TIMEOUT, UNKNOWN_TRANSFER, TransferError
+from .errors import (
+    ABORTED,
+    CLOSED,
+    INVALID_FRAME,
+    PEER_LOST,
+    REASONS,
+    TIMEOUT,
+    UNKNOWN_TRANSFER,
+    TransferError,
+)
 from .telemetry import TransferTelemetry
 from .tracking import DoneCallback, Reservation, check_data_frame, validate_block_ids
 from .zmqutil import Wakeup, check_deadline, disconnected_fds, encode_transfer_id, source_fd
@@ -46,8 +55,11 @@ class TcpReceiver:
     transport = "tcp"
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
-                 layout_tag: str | None = None, telemetry: TransferTelemetry | None = None) -> None:
+                 layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
+                 keep_freed_buffers: bool = True) -> None:
         check_cache(layout, kv_cache)
+        if keep_freed_buffers:  # zmq's receive buffers: see allocator.py
+            allocator.keep_freed_buffers()
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
         self.num_blocks = kv_cache.shape[2]
         self.telemetry = telemetry or TransferTelemetry()
@@ -102,12 +114,24 @@ class TcpReceiver:
                                                           deadline, on_done)
         self._wakeup.set()  # the I/O thread recomputes its next deadline
 
-    def cancel(self, transfer_id: str) -> bool:
-        """Drop a reservation without calling on_done; once this returns nothing more is written."""
+    def cancel(self, transfer_id: str, reason: str | None = None) -> bool:
+        """Drop a reservation without calling on_done; once this returns nothing more is written.
+
+        With a `reason` (say `abandoned`: the sender never started; `timeout`: the caller stopped
+        waiting), a transfer that was still pending also counts as failed with that reason in
+        tandem_kv_transfer_failures_total; one that already finished or failed is not counted twice.
+        Returns whether the transfer was still pending.
+        """
+        if reason is not None and reason not in REASONS:
+            raise ValueError(f"unknown transfer failure reason {reason!r}")
         with self._lock:
             reservation = self._reservations.pop(transfer_id, None)
             if reservation is not None:
                 self._remember(transfer_id, TransferError(ABORTED, "the receiver cancelled the transfer"))
+        if reservation is not None and reason is not None:
+            log.warning("KV transfer %s given up by the receiver (%s): %d of %d pieces had arrived", transfer_id,
+                        reason, reservation.received, reservation.received + reservation.missing)
+            self.telemetry.failed(self.transport, reason)
         return reservation is not None
 
     def pending(self) -> list[str]:

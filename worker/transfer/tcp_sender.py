@@ -25,7 +25,7 @@ import zmq
 
 from tandem.worker.kv.layout import KVLayout
 
-from . import wire
+from . import allocator, wire
 from .blocks import check_cache, read_blocks
 from .errors import ABORTED, CLOSED, CONNECT_FAILED, INCOMPLETE, PEER_LOST, TIMEOUT, TransferError
 from .telemetry import TransferTelemetry
@@ -62,7 +62,9 @@ class OutgoingTransfer:
         self.transfer_id = transfer_id
         self.raw_id = transfer_id.encode()
         self._conn, self._dst_ids, self.deadline = conn, dst_ids, deadline
-        self._sent = torch.zeros(conn.layout.num_layers, 2, dst_ids.numel(), dtype=torch.bool)
+        # Per layer, 1 per destination position once sent (K and V travel together).
+        self._sent = [bytearray(dst_ids.numel()) for _ in range(conn.layout.num_layers)]
+        self._unsent = conn.layout.num_layers * dst_ids.numel()
         self._state = _State()
         self._started = time.monotonic()
 
@@ -79,20 +81,22 @@ class OutgoingTransfer:
         if not isinstance(dst_start, int) or dst_start < 0 or dst_start + src.numel() > self._dst_ids.numel():
             raise ValueError(f"send_layer({layer}): {src.numel()} blocks from position {dst_start} do not fit "
                              f"the {self._dst_ids.numel()} destination blocks")
-        if bool(self._sent[layer, :, dst_start:dst_start + src.numel()].any()):
+        count = src.numel()
+        if self._sent[layer].find(1, dst_start, dst_start + count) != -1:
             raise ValueError(f"send_layer({layer}): some of these destination blocks were already sent")
         per_frame = max(1, conn.frame_bytes // (2 * conn.layout.bytes_per_block_layer_kv))
         for first in range(0, src.numel(), per_frame):
             src_chunk = src[first:first + per_frame]
             dst_chunk = self._dst_ids[dst_start + first:dst_start + first + src_chunk.numel()]
             conn.transmit(self, layer, src_chunk, dst_chunk)
-        self._sent[layer, :, dst_start:dst_start + src.numel()] = True
+        self._sent[layer][dst_start:dst_start + count] = b"\x01" * count
+        self._unsent -= count
 
     def finish(self) -> TransferResult:
         """Wait until the receiver confirms every (layer, K/V, block) arrived and verified."""
         self._raise_if_failed()
-        if not bool(self._sent.all()):
-            layer = int(torch.nonzero(~self._sent)[0][0])
+        if self._unsent:
+            layer = next(index for index, sent in enumerate(self._sent) if sent.find(0) != -1)
             error = TransferError(INCOMPLETE, f"finish() before every block was sent (layer {layer} is "
                                   "missing blocks)", self.transfer_id)
             self._conn.fail(self, error, tell_receiver=True)
@@ -199,18 +203,20 @@ class TcpConnection:
 
     def transmit(self, transfer: OutgoingTransfer, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Send one frame: K and V of kv_cache[layer, :, src] into the receiver's blocks dst."""
-        nbytes = 2 * src.numel() * self.layout.bytes_per_block_layer_kv
+        count = src.numel()
+        nbytes = 2 * count * self.layout.bytes_per_block_layer_kv
         seq = self.reserve_frame(transfer, nbytes)
+        src_list = src.tolist()
         try:
-            k_part = read_blocks(self.kv_cache, layer, wire.K, src)
-            v_part = read_blocks(self.kv_cache, layer, wire.V, src)
+            k_part = read_blocks(self.kv_cache, layer, wire.K, src_list)
+            v_part = read_blocks(self.kv_cache, layer, wire.V, src_list)
         except Exception as exc:
             self.fail(transfer, TransferError(ABORTED, f"could not read source blocks: {exc}",
                                               transfer.transfer_id), tell_receiver=True)
             raise
-        ids = struct.pack(f"<{dst.numel()}i", *dst.tolist())
-        digest = wire.frame_digest(seq, layer, wire.KV, src.numel(), nbytes, transfer.raw_id, ids, k_part, v_part)
-        header = wire.pack_header(seq, layer, wire.KV, src.numel(), nbytes, digest)
+        ids = struct.pack(f"<{count}i", *dst.tolist())
+        digest = wire.frame_digest(seq, layer, wire.KV, count, nbytes, transfer.raw_id, ids, k_part, v_part)
+        header = wire.pack_header(seq, layer, wire.KV, count, nbytes, digest)
         self.enqueue(transfer, [wire.DATA, header, transfer.raw_id, ids, k_part, v_part], data=True)
 
     def prepare_finish(self, transfer: OutgoingTransfer) -> dict[str, Any]:
@@ -424,9 +430,12 @@ class TcpSender:
     transport = "tcp"
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
-                 streams: int = 2, frame_bytes: int = 4 << 20, max_inflight_bytes: int = 64 << 20,
-                 connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None) -> None:
+                 streams: int = 2, frame_bytes: int = 2 << 20, max_inflight_bytes: int = 64 << 20,
+                 connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None,
+                 keep_freed_buffers: bool = True) -> None:
         check_cache(layout, kv_cache)
+        if keep_freed_buffers:  # staging buffers of gathered frames: see allocator.py
+            allocator.keep_freed_buffers()
         for name, value in (("streams", streams), ("frame_bytes", frame_bytes),
                             ("max_inflight_bytes", max_inflight_bytes)):
             if not isinstance(value, int) or value <= 0:

@@ -8,8 +8,9 @@ complete when every (layer, K/V, block) has arrived and verified.
 
 from __future__ import annotations
 
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,17 +25,17 @@ DoneCallback = Callable[[str, "TransferError | None"], None]
 
 def validate_block_ids(block_ids: list[int], num_blocks: int, what: str) -> torch.Tensor:
     """Check caller-supplied block ids (ints, in range, no repeats) and return them as a tensor."""
+    # Plain Python: called per transfer and per layer, on lists of a few to a few thousand ids.
     if not block_ids:
         raise ValueError(f"{what}: no block ids given")
     if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
         raise ValueError(f"{what}: block ids must be integers")
-    ids = torch.tensor(block_ids, dtype=torch.int64)
-    low, high = int(ids.min()), int(ids.max())
+    low, high = min(block_ids), max(block_ids)
     if low < 0 or high >= num_blocks:
         raise ValueError(f"{what}: block id out of range 0..{num_blocks - 1} (got {low}..{high})")
-    if torch.unique(ids).numel() != ids.numel():
+    if len(set(block_ids)) != len(block_ids):
         raise ValueError(f"{what}: block ids repeat")
-    return ids
+    return torch.tensor(block_ids, dtype=torch.int64)
 
 
 @dataclass
@@ -48,15 +49,17 @@ class Reservation:
     begun_at: float | None = None
     finish_requested: bool = False
     bytes_received: int = 0
-    _sorted_ids: torch.Tensor = field(init=False, repr=False)
-    _order: torch.Tensor = field(init=False, repr=False)
-    _received: torch.Tensor = field(init=False, repr=False)
+    # Plain Python bookkeeping: a frame names tens of blocks, where torch's per-call overhead
+    # (searchsorted, unique, masks) cost more than the lookups themselves (measured: ~0.1 ms a frame).
+    _position: dict[int, int] = field(init=False, repr=False)  # block id -> position in block_ids
+    _received: list[bytearray] = field(init=False, repr=False)  # [layer * 2 + K/V][position] = 1 once written
     _remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self._sorted_ids, self._order = torch.sort(self.block_ids)
-        self._received = torch.zeros(self.num_layers, 2, self.block_ids.numel(), dtype=torch.bool)
-        self._remaining = self._received.numel()
+        ids = self.block_ids.tolist()
+        self._position = {block: position for position, block in enumerate(ids)}
+        self._received = [bytearray(len(ids)) for _ in range(2 * self.num_layers)]
+        self._remaining = 2 * self.num_layers * len(ids)
 
     @property
     def complete(self) -> bool:
@@ -64,7 +67,13 @@ class Reservation:
 
     @property
     def missing(self) -> int:
+        """(layer, K/V, block) pieces not yet received."""
         return self._remaining
+
+    @property
+    def received(self) -> int:
+        """(layer, K/V, block) pieces received and verified."""
+        return 2 * self.num_layers * len(self._position) - self._remaining
 
     def claim(self, session: str) -> None:
         """Bind the reservation to the sender session that first touched it."""
@@ -74,27 +83,35 @@ class Reservation:
     def expired(self, now: float | None = None) -> bool:
         return (time.monotonic() if now is None else now) >= self.deadline
 
-    def positions(self, layer: int, kind: int, dst_ids: torch.Tensor) -> torch.Tensor:
+    def positions(self, layer: int, kind: int, dst_ids: Sequence[int] | torch.Tensor) -> list[int]:
         """Positions of dst_ids in this reservation; raises TransferError if the frame does not fit."""
         if not 0 <= layer < self.num_layers:
             raise TransferError(INVALID_FRAME, f"layer {layer} out of range 0..{self.num_layers - 1}",
                                 self.transfer_id)
         if kind not in (wire.K, wire.V, wire.KV):
             raise TransferError(INVALID_FRAME, f"kind {kind} is not K (0), V (1) or KV (2)", self.transfer_id)
-        idx = torch.searchsorted(self._sorted_ids, dst_ids).clamp_(max=self._sorted_ids.numel() - 1)
-        if not bool(torch.equal(self._sorted_ids[idx], dst_ids)):
-            raise TransferError(INVALID_FRAME, "frame names blocks outside the reservation", self.transfer_id)
-        positions = self._order[idx]
-        if torch.unique(positions).numel() != positions.numel():
+        ids = dst_ids.tolist() if isinstance(dst_ids, torch.Tensor) else dst_ids
+        try:
+            positions = [self._position[block] for block in ids]
+        except KeyError:
+            raise TransferError(INVALID_FRAME, "frame names blocks outside the reservation",
+                                self.transfer_id) from None
+        if len(set(positions)) != len(positions):
             raise TransferError(INVALID_FRAME, "frame repeats a block", self.transfer_id)
-        if bool(self._received[layer, _kinds(kind)][:, positions].any()):
-            raise TransferError(INVALID_FRAME, f"layer {layer}: a block arrived twice", self.transfer_id)
+        for k in _kinds(kind):
+            flags = self._received[2 * layer + k]
+            if any(flags[p] for p in positions):
+                raise TransferError(INVALID_FRAME, f"layer {layer}: a block arrived twice", self.transfer_id)
         return positions
 
-    def mark(self, layer: int, kind: int, positions: torch.Tensor, nbytes: int) -> None:
+    def mark(self, layer: int, kind: int, positions: Sequence[int], nbytes: int) -> None:
+        """Record verified pieces (positions from positions(), which checked they are new)."""
         kinds = _kinds(kind)
-        self._received[layer, kinds[0]:kinds[-1] + 1, positions] = True
-        self._remaining -= positions.numel() * len(kinds)
+        for k in kinds:
+            flags = self._received[2 * layer + k]
+            for p in positions:
+                flags[p] = 1
+        self._remaining -= len(positions) * len(kinds)
         self.bytes_received += nbytes
 
 
@@ -103,7 +120,7 @@ def _kinds(kind: int) -> list[int]:
 
 
 def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: bytes,
-                     ids_part: memoryview, *payloads: memoryview) -> torch.Tensor:
+                     ids_part: memoryview, *payloads: memoryview) -> list[int]:
     """Check a frame's sizes and digest against the layout; return its destination block ids.
 
     Raises TransferError(INVALID_FRAME) for sizes that do not fit, CORRUPT_FRAME for a bad checksum.
@@ -126,4 +143,4 @@ def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: by
         raise TransferError(CORRUPT_FRAME, f"checksum mismatch on frame {header.seq} (layer {header.layer}, "
                             f"{('K', 'V', 'K+V')[header.kind] if header.kind in (0, 1, 2) else '?'}): the frame was damaged "
                             "in transit", tid)
-    return torch.frombuffer(ids_part, dtype=torch.int32).to(torch.int64)
+    return list(struct.unpack(f"<{header.block_count}i", ids_part))

@@ -3,29 +3,28 @@
 Every zmq message starts with a one-byte kind. Control messages carry one JSON part.
 A data frame (tcp) is six parts: kind, header, transfer id, destination block ids
 (little-endian int32), K payload, V payload (K and V of the same blocks of one layer travel
-together: half the frames, and each part still goes out zero-copy). The header holds sequence number, layer, K/V, block
-count, byte count and a digest: a CRC32 over the header fields, transfer id and block ids,
-plus two 64-bit sums over the payload (plain, and position-weighted per 4 KiB row). Any
-flipped bit, truncation or reordered row is caught before anything touches the cache.
-The payload sums run at memory speed, where CRC32 of the payload would cost about as much
-CPU as the TCP copy itself (see docs/transfer.md).
+together: half the frames, and each part still goes out zero-copy). The header holds sequence
+number, layer, K/V, block count, byte count and a digest: XXH3-128 over the header fields,
+transfer id, block ids and every payload part, each length-prefixed. Any flipped bit,
+truncation or reordered row is caught before anything touches the cache. XXH3 runs at about
+30 GB/s per core here (native, and it releases the GIL), where CRC32 of the payload costs about
+as much CPU as the TCP copy itself (see docs/transfer.md).
 """
 
 from __future__ import annotations
 
 import json
 import struct
-import zlib
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import torch
+import xxhash
 
 from tandem.worker.kv.layout import KVLayout
 
 from .errors import LAYOUT_MISMATCH, VERSION_MISMATCH, TransferError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: XXH3-128 frame digest (1 used CRC32 and two 64-bit sums)
 
 # Message kinds (first part of every message).
 HELLO = b"H"  # sender -> receiver: versions, layout hash, session id
@@ -42,12 +41,11 @@ FAILED = b"E"  # receiver -> sender: the transfer failed on the receiving side
 
 K, V, KV = 0, 1, 2  # a tcp frame carries K and V of the same blocks (KV); rdma pieces are K or V
 
-_HEADER = struct.Struct("<QIBIQQQI")  # seq, layer, kind, block_count, byte_count, digest (sum, wsum, crc)
+_HEADER = struct.Struct("<QIBIQQQ")  # seq, layer, kind, block_count, byte_count, digest (high, low 64 bits)
 HEADER_SIZE = _HEADER.size
-_UNCHECKED = struct.Struct("<QIBIQ")  # the header fields the crc covers
-_ROW_BYTES = 4096  # payload rows of the position-weighted sum
+_FIELDS = struct.Struct("<QIBIQ")  # the header fields the digest covers
+_LENGTH = struct.Struct("<Q")  # length prefix of each digested part: part boundaries are unambiguous
 _MASK64 = (1 << 64) - 1
-_CHUNK_BYTES = 1 << 17  # 16384 int64 words: under torch's grain size (32768), so it stays on one thread
 
 
 def encode_control(kind: bytes, payload: dict[str, Any]) -> list[bytes]:
@@ -107,50 +105,29 @@ def _describe_dict(fields: object) -> str:
 
 # --- data frames ---------------------------------------------------------------------------
 
-Digest = tuple[int, int, int]  # (payload sum, payload weighted sum, crc32 of header fields + ids + tail)
+Digest = tuple[int, int]  # XXH3-128 of the frame: (high 64 bits, low 64 bits)
 
 
 @dataclass(frozen=True)
 class FrameHeader:
     seq: int
     layer: int
-    kind: int  # K or V
+    kind: int  # K, V or KV
     block_count: int
     byte_count: int
     digest: Digest
 
 
-def payload_sums(payload: bytes | bytearray | memoryview) -> tuple[int, int, memoryview]:
-    """Two wrapping 64-bit sums over the payload's whole 4 KiB rows; also returns the leftover tail."""
-    view = memoryview(payload).cast("B")
-    body = len(view) - len(view) % _ROW_BYTES
-    if body == 0:
-        return 0, 0, view
-    source = view if not view.readonly else memoryview(bytearray(view[:body]))
-    rows = torch.empty(body // _ROW_BYTES, dtype=torch.int64)
-    words = torch.frombuffer(source, dtype=torch.int64, count=body // 8).view(-1, _ROW_BYTES // 8)
-    # Chunks small enough that torch stays on this thread: its intra-op pool busy-waits, and
-    # on a small machine those spinning threads starve the sockets (measured: 10x slower).
-    step = _CHUNK_BYTES // _ROW_BYTES
-    for first in range(0, rows.numel(), step):
-        torch.sum(words[first:first + step], 1, out=rows[first:first + step])
-    weights = torch.arange(1, 2 * rows.numel(), 2, dtype=torch.int64)
-    return int(rows.sum()) & _MASK64, int((rows * weights).sum()) & _MASK64, view[body:]
-
-
 def frame_digest(seq: int, layer: int, kind: int, block_count: int, byte_count: int, transfer_id: bytes,
                  block_ids: bytes | memoryview, *payloads: bytes | bytearray | memoryview) -> Digest:
-    """Digest of a frame; several payload parts (K then V) are weighted by their order."""
-    crc = zlib.crc32(_UNCHECKED.pack(seq, layer, kind, block_count, byte_count))
-    crc = zlib.crc32(transfer_id, crc)
-    crc = zlib.crc32(block_ids, crc)
-    plain = weighted = 0
-    for index, payload in enumerate(payloads):
-        part_plain, part_weighted, tail = payload_sums(payload)
-        plain = (plain + (2 * index + 1) * part_plain) & _MASK64
-        weighted = (weighted + (2 * index + 1) * part_weighted) & _MASK64
-        crc = zlib.crc32(tail, crc)
-    return plain, weighted, crc
+    """Digest of a frame: header fields, transfer id, block ids, then each payload part (K then V)."""
+    state = xxhash.xxh3_128(_FIELDS.pack(seq, layer, kind, block_count, byte_count))
+    for part in (transfer_id, block_ids, *payloads):
+        view = memoryview(part).cast("B")
+        state.update(_LENGTH.pack(len(view)))
+        state.update(view)  # native, GIL released for large parts: the other I/O threads keep going
+    value = state.intdigest()
+    return value >> 64, value & _MASK64
 
 
 def pack_header(seq: int, layer: int, kind: int, block_count: int, byte_count: int, digest: Digest) -> bytes:
@@ -161,5 +138,5 @@ def unpack_header(part: bytes | memoryview) -> FrameHeader:
     """Parse a data-frame header; a header of the wrong size raises ValueError."""
     if len(part) != HEADER_SIZE:
         raise ValueError(f"frame header is {len(part)} bytes, expected {HEADER_SIZE}")
-    seq, layer, kind, count, nbytes, plain, weighted, crc = _HEADER.unpack(part)
-    return FrameHeader(seq, layer, kind, count, nbytes, (plain, weighted, crc))
+    seq, layer, kind, count, nbytes, high, low = _HEADER.unpack(part)
+    return FrameHeader(seq, layer, kind, count, nbytes, (high, low))

@@ -17,14 +17,23 @@ class Wakeup:
 
     def __init__(self) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        # True from set() until the I/O thread's clear(): further set()s skip the syscall (one
+        # per queued message was measurable). Safe because clear() empties the eventfd before
+        # it resets the flag, and the I/O thread looks at its queues only after clear(): what
+        # was queued before a skipped set() is seen by that pass.
+        self._pending = False
 
     def set(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
         with contextlib.suppress(OSError):  # closed during shutdown
             os.eventfd_write(self.fd, 1)
 
     def clear(self) -> None:
         with contextlib.suppress(BlockingIOError, OSError):
             os.eventfd_read(self.fd)
+        self._pending = False
 
     def close(self) -> None:
         os.close(self.fd)
