@@ -17,9 +17,9 @@ hack/setup.sh worker,operator,test,dev
 echo "test: building or reusing the control plane binaries" >&2
 python3 hack/k8s_build.py >/dev/null
 
-echo "test: ruff" >&2
+echo "test: setup done after ${SECONDS}s; ruff" >&2
 .venv/bin/ruff check .
 echo "test: mypy" >&2
 hack/typecheck.sh
-echo "test: pytest" >&2
+echo "test: pytest (after ${SECONDS}s)" >&2
 exec .venv/bin/pytest "$@"

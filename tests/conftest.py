@@ -122,7 +122,7 @@ def start_prometheus(targets: list[str], workdir: Path, scrape_interval: str = "
         "scrape_configs": [{"job_name": "tandem", "static_configs": [static]}],
     }
     (workdir / "prometheus.yml").write_text(json.dumps(config))
-    log = open(workdir / "prometheus.log", "wb")
+    log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 (the child process keeps it open)
     proc = subprocess.Popen(
         [prometheus_binary(), f"--config.file={workdir / 'prometheus.yml'}",
          f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
