@@ -138,3 +138,16 @@ def metric_value(url: str, name: str, **labels: str) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
                 total += sample.value
     return total
+
+
+def wait_until_disaggregated(stack: Stack, timeout: float = 60.0) -> None:
+    """The router serves a request disaggregated only once it sees a usable prefill and decode worker;
+    before that it sends everything to decode (no transfer at all), which is not what these tests
+    are about."""
+    limit = time.monotonic() + timeout
+    while time.monotonic() < limit:
+        roles = {w["role"] for w in httpx.get(f"{stack.url}/workers", timeout=5).json() if w["usable"]}
+        if {"prefill", "decode"} <= roles:
+            return
+        time.sleep(0.2)
+    pytest.fail(f"the router did not see a usable prefill and decode worker within {timeout:g}s")

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from openai import OpenAI
 
-from .conftest import Stack, metric_value
+from .conftest import Stack, metric_value, wait_until_disaggregated
 
 pytestmark = pytest.mark.integration
 
@@ -22,6 +22,7 @@ PROMPT = "Prefill computes the prompt; decode generates one token at a time. Hel
 def test_transfer_failure_falls_back_with_identical_tokens(start_stack: Callable[..., Stack], mono: Stack) -> None:
     faulty = start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
                          "--prefill-fault", "drop-kv")
+    wait_until_disaggregated(faulty)  # else the first request may go to decode alone, with no transfer
     outs = []
     for stack in (faulty, mono):
         c = OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=60)

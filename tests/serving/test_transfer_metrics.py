@@ -8,7 +8,6 @@ decode side, not only as a fallback prefill.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import httpx
@@ -16,24 +15,11 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import Stack, metric_value
+from .conftest import Stack, metric_value, wait_until_disaggregated
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "KV moves from the prefill worker to the decode worker, layer by layer, and is counted."
-
-
-def wait_until_disaggregated(stack: Stack, timeout: float = 60.0) -> None:
-    """The router serves a request disaggregated only once it sees a usable prefill and decode worker;
-    before that it sends everything to decode (no transfer at all), which is not what these tests
-    are about."""
-    limit = time.monotonic() + timeout
-    while time.monotonic() < limit:
-        roles = {w["role"] for w in httpx.get(f"{stack.url}/workers", timeout=5).json() if w["usable"]}
-        if {"prefill", "decode"} <= roles:
-            return
-        time.sleep(0.2)
-    pytest.fail(f"the router did not see a usable prefill and decode worker within {timeout:g}s")
 
 
 def complete(stack: Stack) -> list[int]:

@@ -87,17 +87,32 @@ def ready_endpoints(slices: list[dict[str, Any]], port_name: str = "http", defau
     return sorted(urls)
 
 
-class KubernetesDiscovery:
-    """EndpointSlices of the headless Services via the API, or DNS A records when there is no API access."""
+DISCOVERY_METHODS = ("endpointslices", "dns")
 
-    def __init__(self, namespace: str, services: list[str], port: int = 8000, method: str = "endpointslices") -> None:
+
+class KubernetesDiscovery:
+    """EndpointSlices of the headless Services via the API, or DNS A records when there is no API access.
+
+    `kubeconfig` (endpointslices only) names a kubeconfig file to use instead of the pod's own
+    ServiceAccount or the default kubeconfig; it gets a client of its own, leaving the process-wide
+    default configuration alone.
+    """
+
+    def __init__(self, namespace: str, services: list[str], port: int = 8000, method: str = "endpointslices",
+                 kubeconfig: Path | None = None) -> None:
+        if method not in DISCOVERY_METHODS:
+            raise ValueError(f"unknown discovery method {method!r}: expected one of {', '.join(DISCOVERY_METHODS)}")
         self.namespace, self.services, self.port, self.method = namespace, services, port, method
+        self.kubeconfig = kubeconfig
         self._api: Any = None
 
     def _discovery_api(self) -> Any:
         if self._api is None:
             from kubernetes import client, config
 
+            if self.kubeconfig is not None:
+                self._api = config.new_client_from_config(config_file=str(self.kubeconfig))  # type: ignore[no-untyped-call]
+                return self._api
             try:
                 config.load_incluster_config()  # type: ignore[no-untyped-call]
             except config.ConfigException:

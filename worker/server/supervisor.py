@@ -150,8 +150,19 @@ class LocalStack:
             if body.get("error"):
                 raise RuntimeError(f"{p.name} failed to load: {body['error']}")
             ok = resp.status_code == 200
+            if ok and p is self.router:
+                # The router answers /ready once it can serve at all; the stack is ready only when
+                # it sees every worker, or the first requests would skip the prefill pool.
+                ok = self._router_sees_all_workers(client)
             out[p.name] = (ok, float(body.get("load_progress", 1.0 if ok else 0.0)))
         return out
+
+    def _router_sees_all_workers(self, client: httpx.Client) -> bool:
+        try:
+            workers = client.get(f"{self.router.url}/workers", timeout=1.0).json()
+        except (httpx.HTTPError, ValueError):
+            return False
+        return sum(1 for w in workers if w.get("usable")) >= len(self.workers)
 
     def dead(self) -> list[Proc]:
         return [p for p in self.procs if p.popen is not None and not p.alive()]

@@ -56,14 +56,14 @@ class TcpReceiver:
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
-                 keep_freed_buffers: bool = True, io_threads: int = 1) -> None:
+                 keep_freed_buffers: bool = True) -> None:
         check_cache(layout, kv_cache)
         if keep_freed_buffers:  # zmq's receive buffers: see allocator.py
             allocator.keep_freed_buffers()
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
         self.num_blocks = kv_cache.shape[2]
         self.telemetry = telemetry or TransferTelemetry()
-        self._ctx = zmq.Context(io_threads=io_threads)
+        self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer errors, not blocks
