@@ -160,8 +160,9 @@ def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, pr
     kopf.configure(verbose=verbose)
     if metrics_port:
         start_http_server(metrics_port)
+    # sharp: ticks on a fixed grid, so windows and "within two intervals" mean what they say.
     kopf.timer(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", interval=autoscale_interval,
-               initial_delay=autoscale_interval)(autoscale)
+               initial_delay=autoscale_interval, sharp=True)(autoscale)
     kopf.run(
         standalone=True,  # one operator replica; no kopf peering CRDs needed
         clusterwide=not namespaces,

@@ -102,10 +102,13 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
                                                      settings=sig.QuerySettings(rate_window="10s")))
     prefill_sel = sig.Selector(NAMESPACE, MODEL, "prefill")
     deadline = time.monotonic() + 30
-    while source.fetch("prefill", prefill_sel).get(sig.QUEUE_REQUESTS) is None:
+    decode_sel = sig.Selector(NAMESPACE, MODEL, "decode")
+    # Both workers' series must be in Prometheus (they are scraped independently).
+    while (source.fetch("prefill", prefill_sel).get(sig.QUEUE_REQUESTS) is None
+           or source.fetch("decode", decode_sel).get(sig.KV_USAGE) is None):
         assert time.monotonic() < deadline, "the workers' series never reached Prometheus"
         time.sleep(0.5)
-    idle = source.fetch("decode", sig.Selector(NAMESPACE, MODEL, "decode"))
+    idle = source.fetch("decode", decode_sel)
     assert idle.get(sig.KV_USAGE) is not None and idle.values[sig.KV_USAGE] < 0.5
 
     bench = subprocess.Popen(
