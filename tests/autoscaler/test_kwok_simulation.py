@@ -38,7 +38,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,7 +53,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_MODEL = REPO / "hack" / "load_model.py"
-CRDS = [REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml", REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"]
 MOONCAKE = Path("/work/shared/traces/mooncake_conversation.jsonl")
 POOLS = ("prefill", "decode")
 MODEL, NAME = "sim-model", "sim"
@@ -200,12 +198,8 @@ class Bed:
 @pytest.fixture
 def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
     """A namespace, Prometheus scraping the load model's port, the operator, and a 1/1 DisaggregatedModel."""
-    namespace = f"sim-{uuid.uuid4().hex[:6]}"
-    for crd in CRDS:
-        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
-    k8s_cluster.kubectl("create", "namespace", namespace)
+    namespace = k8s_cluster.new_namespace("sim")
+    k8s_cluster.install_crds()
     # Prometheus first, on the port the load model will take: its scrape targets apply every 5 s,
     # and the load trace's clock must not run while nobody scrapes. It adds the namespace label
     # as the Kubernetes scrape does.
@@ -223,7 +217,7 @@ def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
             and bool(prom.query("up"))) or None, timeout=60, on_timeout=operator.log_tail)
         yield Bed(k8s_cluster, namespace, operator, port, view)
     finally:
-        k8s_cluster.kubectl("delete", "dm", "--all", "-n", namespace, "--timeout=60s", check=False)
+        k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,7 +30,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_MODEL = REPO / "hack" / "load_model.py"
-CRDS = [REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml", REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"]
 INTERVAL = 2
 MODEL = "tiny-llama"
 NAME = "auto"
@@ -77,12 +75,8 @@ def free_port() -> int:
 
 @pytest.fixture
 def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
-    namespace = f"as-{uuid.uuid4().hex[:6]}"
-    for crd in CRDS:
-        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
-    k8s_cluster.kubectl("create", "namespace", namespace)
+    namespace = k8s_cluster.new_namespace("as")
+    k8s_cluster.install_crds()
     # Prometheus first, on the port the load model will take (its scrape targets apply every 5 s);
     # it adds the namespace label as the Kubernetes scrape does.
     port = free_port()
@@ -93,7 +87,7 @@ def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
     try:
         yield Bed(k8s_cluster, namespace, operator, prom, port)
     finally:
-        k8s_cluster.kubectl("delete", "dm", "--all", "-n", namespace, "--timeout=60s", check=False)
+        k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 

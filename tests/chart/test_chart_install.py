@@ -156,7 +156,7 @@ def installed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
         yield Installed(k8s_cluster, list(container["args"]), workdir / "kubeconfig", cluster_role, workdir,
                         proc.stdout)
     finally:
-        k8s_cluster.kubectl("delete", "dm", "--all", "-n", WORK_NS, "--timeout=30s", check=False)
+        k8s_cluster.delete_custom_resources(WORK_NS)
         subprocess.run([helm_binary(), "uninstall", RELEASE, "-n", RELEASE_NS], env=env, capture_output=True,
                        timeout=120)
         for kind, name in (("namespace", WORK_NS), ("namespace", RELEASE_NS), ("node", CPU_NODE)):

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,7 +38,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 LOAD_MODEL = REPO / "hack" / "load_model.py"
-CRDS = [REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml", REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"]
 NAME = "obs"  # the DisaggregatedModel
 MODEL = "tiny-llama"  # the served model name
 OPERATOR_NAMESPACE = "tandem-system"  # where the chart installs the operator: its scrape target's namespace
@@ -101,12 +99,8 @@ class Bed:
 
 @pytest.fixture
 def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
-    namespace = f"pq-{uuid.uuid4().hex[:6]}"
-    for crd in CRDS:
-        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
-    k8s_cluster.kubectl("create", "namespace", namespace)
+    namespace = k8s_cluster.new_namespace("pq")
+    k8s_cluster.install_crds()
     load_port = free_port()
     # The operator needs Prometheus's URL to start and Prometheus the operator's metrics port:
     # start Prometheus, then the operator, then give Prometheus both jobs.
@@ -119,7 +113,7 @@ def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
         reconfigure(prom, scrape_config(f"127.0.0.1:{load_port}", f"127.0.0.1:{operator.metrics_port}", namespace))
         yield Bed(k8s_cluster, namespace, operator, prom, load_port, tmp_path / "load_model.log")
     finally:
-        k8s_cluster.kubectl("delete", "dm", "--all", "-n", namespace, "--timeout=60s", check=False)
+        k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 

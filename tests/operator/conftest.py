@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import json
 import sys
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -68,9 +67,6 @@ def sample() -> Callable[[str], dict[str, Any]]:
 sys.path.insert(0, str(Path(__file__).parent))
 from operator_harness import OperatorProcess, wait_for  # noqa: E402
 
-CRD = REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml"
-POOL_CRD = REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"
-
 
 class Testbed:
     """What an operator integration test works with."""
@@ -103,12 +99,8 @@ class Testbed:
 
 @pytest.fixture(scope="module")
 def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Testbed]:
-    namespace = f"op-{uuid.uuid4().hex[:6]}"
-    for crd in (CRD, POOL_CRD):
-        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
-    k8s_cluster.kubectl("create", "namespace", namespace)
+    namespace = k8s_cluster.new_namespace("op")
+    k8s_cluster.install_crds()
     # Router pods land on the cluster's untainted `system` pool (hack/cluster-nodes.json).
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, tmp_path_factory.mktemp("operator") / "operator.log",
                                k8s_cluster.env)
@@ -119,6 +111,6 @@ def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         # The operator must still run to release its finalizer (kopf adds one for the resync timer).
         if not operator.alive():
             operator.start()
-        k8s_cluster.kubectl("delete", "disaggregatedmodels", "--all", "-n", namespace, "--timeout=60s", check=False)
+        k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)

@@ -35,7 +35,7 @@ def cleanup(testbed: Bed) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
-        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=60s", check=False)
+        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=45s", check=False)
 
 
 def wait_ready(testbed: Bed, name: str, timeout: float = 60.0) -> dict[str, Any]:

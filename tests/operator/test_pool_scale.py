@@ -24,7 +24,7 @@ def cleanup(testbed: Bed) -> Iterator[list[str]]:
     names: list[str] = []
     yield names
     for name in names:
-        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=60s", check=False)
+        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=45s", check=False)
 
 
 def make(sample: Callable[[str], dict[str, Any]], name: str, **pools: Any) -> dict[str, Any]:

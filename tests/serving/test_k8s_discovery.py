@@ -20,7 +20,6 @@ import asyncio
 import ipaddress
 import json
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ from operator_harness import OperatorProcess, wait_for
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-CRDS = [REPO / "crds" / "tandem.dev_disaggregatedmodels.yaml", REPO / "crds" / "tandem.dev_disaggregatedpools.yaml"]
 DM = "disc"
 WORKER_PORT = 8000  # the worker pods' HTTP port (contract), which the headless Services expose as "http"
 KWOK_POD_NET = ipaddress.ip_network("10.244.0.0/16")
@@ -120,13 +118,9 @@ def token_kubeconfig(cluster: Any, token: str, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def pools(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pools]:
-    namespace = f"disc-{uuid.uuid4().hex[:6]}"
+    namespace = k8s_cluster.new_namespace("disc")
     workdir = tmp_path_factory.mktemp("k8s-discovery")
-    for crd in CRDS:
-        k8s_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
-    k8s_cluster.kubectl("wait", "--for=condition=Established", "--timeout=30s",
-                        "crd/disaggregatedmodels.tandem.dev", "crd/disaggregatedpools.tandem.dev")
-    k8s_cluster.kubectl("create", "namespace", namespace)
+    k8s_cluster.install_crds()
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, workdir / "operator.log", k8s_cluster.env)
     operator.start()
     try:
@@ -145,7 +139,7 @@ def pools(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     finally:
         if not operator.alive():  # it must run to release its finalizer
             operator.start()
-        k8s_cluster.kubectl("delete", "dm", "--all", "-n", namespace, "--timeout=60s", check=False)
+        k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
