@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tandem.operator import autoscaler_timer as t
@@ -111,6 +112,13 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     idle = source.fetch("decode", decode_sel)
     assert idle.get(sig.KV_USAGE) is not None and idle.values[sig.KV_USAGE] < 0.5
 
+    # The router sends work to decode alone until it sees a usable prefill worker; this test is
+    # about the prefill queue, so make sure the burst goes through prefill.
+    deadline = time.monotonic() + 30
+    while not {"prefill", "decode"} <= {w["role"] for w in httpx.get(f"{stack['url']}/workers", timeout=5).json()
+                                        if w["usable"]}:
+        assert time.monotonic() < deadline, "the router never saw a usable prefill and decode worker"
+        time.sleep(0.2)
     bench = subprocess.Popen(
         [sys.executable, "-m", "tandem.worker.cli", "bench", "--url", stack["url"], "--model", MODEL,
          "-n", "48", "--rate", "0", "--prompt-tokens", "256", "--output-tokens", "32",
