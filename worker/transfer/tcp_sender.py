@@ -292,6 +292,10 @@ class TcpConnection:
         state = transfer._state
         if state.error is not None or state.done:
             return
+        # Count it before publishing the error: the caller reads state.error without the lock and
+        # must find the failure already in the metrics when it sees the exception.
+        log.warning("KV transfer %s failed on the sender: %s", transfer.transfer_id, error)
+        self.telemetry.failed(self.transport, error.reason)
         state.error = error
         self._inflight -= sum(state.unacked.values())
         state.unacked.clear()
@@ -301,8 +305,6 @@ class TcpConnection:
                 "transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}), False))
             self._wakeup.set()
         self.cv.notify_all()
-        log.warning("KV transfer %s failed on the sender: %s", transfer.transfer_id, error)
-        self.telemetry.failed(self.transport, error.reason)
 
     def close(self) -> None:
         with self.cv:
