@@ -31,6 +31,10 @@ ANNOTATION_PREFIX = "tandem.dev"
 MANAGED = {"app.kubernetes.io/managed-by": MANAGER}
 RESYNC_SECONDS = float(os.environ.get("TANDEM_OPERATOR_RESYNC_SECONDS", "30"))
 RETRY_SECONDS = 10.0
+# A timer whose handler is running when its resource is deleted cannot be interrupted (sync handlers
+# run in a thread); kopf keeps the finalizer until it returns and re-checks at this interval. kopf's
+# default, 60 s, left such deletions in Terminating for a minute (tests/operator/test_deletion.py).
+TIMER_EXIT_POLL_SECONDS = 1.0
 
 log = logging.getLogger("tandem.operator")
 
@@ -79,6 +83,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.posting.level = logging.WARNING  # our own Events say what happened; kopf's add noise
     settings.watching.server_timeout = 120  # re-list now and then, in case a watch silently stalls
     settings.networking.request_timeout = 30
+    settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
     _client()
 
 

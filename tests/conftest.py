@@ -70,9 +70,8 @@ class Cluster:
     def delete_custom_resources(self, namespace: str, timeout_s: int = 45) -> None:
         """Teardown: delete the namespace's DisaggregatedModels, waiting for the operator's finalizer.
 
-        If that does not finish (the operator is gone, or the known intermittent hang of kopf's
-        timer finalizer, see docs/operator.md), warn visibly and strip the finalizers, so one stuck
-        resource cannot break every later test."""
+        If that does not finish (e.g. a test killed the operator), warn visibly and strip the
+        finalizers, so one stuck resource cannot break every later test."""
         try:
             proc = self.kubectl("delete", "disaggregatedmodels", "--all", "-n", namespace, f"--timeout={timeout_s}s",
                                 check=False, timeout=timeout_s + 15)
