@@ -59,14 +59,25 @@ class PvcSource(ApiModel):
     sub_path: str = Field(default="", max_length=1024, description="Folder inside the volume that holds config.json.")
 
 
+URI_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"  # a scheme, a host, then anything but whitespace
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
 class ModelSource(ApiModel):
-    """Where the model folder (config.json, *.safetensors, tokenizer.json) comes from: exactly one of path or pvc."""
+    """Where the model folder (config.json, *.safetensors, tokenizer.json) comes from: exactly one of path, pvc
+    or uri."""
 
     cross_field_rules = (
         CrossFieldRule(
-            cel="[has(self.path), has(self.pvc)].filter(x, x).size() == 1",
-            message="model.source needs exactly one of path or pvc",
-            check=lambda s: (s.path is not None) + (s.pvc is not None) == 1,
+            cel="[has(self.path), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
+            message="model.source needs exactly one of path, pvc or uri",
+            check=lambda s: (s.path is not None) + (s.pvc is not None) + (s.uri is not None) == 1,
+        ),
+        CrossFieldRule(
+            cel="!has(self.sha256) || has(self.uri)",
+            message="sha256 is the checksum of a uri's archive: it needs uri",
+            check=lambda s: s.sha256 is None or s.uri is not None,
+            field_path=".sha256",
         ),
     )
 
@@ -75,6 +86,16 @@ class ModelSource(ApiModel):
         description="Absolute path of the model folder inside the worker container (baked into the image or mounted by you).",
     )
     pvc: PvcSource | None = Field(default=None, description="Mount the model folder from a PersistentVolumeClaim.")
+    uri: str | None = Field(
+        default=None, max_length=4096, pattern=URI_PATTERN,
+        description="http:// or https:// URL of a tar archive (.tar, .tar.gz or .tgz; the compression is read from "
+        "the content) of the model folder, at the top of the archive or in its one top-level folder. An init "
+        "container of each worker pod downloads and unpacks it into an emptyDir at /models/model.",
+    )
+    sha256: str | None = Field(
+        default=None, pattern=SHA256_PATTERN,
+        description="SHA-256 of the archive at uri (64 lowercase hex digits); the download is refused when it differs.",
+    )
 
 
 class ModelSpec(ApiModel):

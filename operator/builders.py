@@ -31,6 +31,8 @@ POOL_LABEL = "tandem.dev/pool"  # on nodes (and as a taint key) in GPU node pool
 LAYOUT_HASH_LABEL = "tandem.dev/layout-hash"
 LAYOUT_HASH_ENV = "TANDEM_LAYOUT_HASH"
 MODEL_MOUNT = "/models"
+FETCHED_MODEL_DIR = f"{MODEL_MOUNT}/model"  # where the fetch-model init container unpacks a uri source
+FETCH_CONTAINER = "fetch-model"
 MANAGER = "tandem-operator"
 Component = str  # prefill | decode | router
 
@@ -118,17 +120,22 @@ def _probe(path: str, period: int, failures: int) -> Manifest:
             "failureThreshold": failures, "timeoutSeconds": 2}
 
 
-def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> list[str]:
-    pool_spec = spec.pool(pool)
+def worker_model_dir(spec: DisaggregatedModelSpec) -> str:
+    """The model folder as the worker container sees it."""
     source = spec.model.source
     if source.pvc is not None:
-        model_dir = f"{MODEL_MOUNT}/{source.pvc.sub_path}".rstrip("/")
-    else:
-        assert source.path is not None  # the one-of rule guarantees it
-        model_dir = source.path
+        return f"{MODEL_MOUNT}/{source.pvc.sub_path}".rstrip("/")
+    if source.uri is not None:
+        return FETCHED_MODEL_DIR
+    assert source.path is not None  # the one-of rule guarantees it
+    return source.path
+
+
+def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> list[str]:
+    pool_spec = spec.pool(pool)
     return [
         "worker", "--role", pool, "--pool", pool,
-        "--model", model_dir, "--model-name", spec.model.name,
+        "--model", worker_model_dir(spec), "--model-name", spec.model.name,
         "--dtype", spec.model.dtype, "--block-size", str(spec.kv_transfer.block_size),
         "--transport", spec.kv_transfer.transport,
         "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-port", str(KV_PORT),
@@ -137,6 +144,31 @@ def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layo
         "--layout-hash", layout_hash,
         *pool_spec.args,
     ]
+
+
+def fetch_model_args(spec: DisaggregatedModelSpec) -> list[str]:
+    """`tandem fetch-model` for a uri source: download, verify and unpack into the pod's emptyDir."""
+    source = spec.model.source
+    assert source.uri is not None
+    args = ["fetch-model", "--uri", source.uri, "--dest", FETCHED_MODEL_DIR]
+    if source.sha256 is not None:
+        args += ["--sha256", source.sha256]
+    return args
+
+
+def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manifest:
+    """The init container that fills the "model" emptyDir; it gets the pool's env (e.g. HTTPS_PROXY)."""
+    container: Manifest = {
+        "name": FETCH_CONTAINER,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["tandem"],
+        "args": fetch_model_args(spec),
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+    }
+    if spec.pool(pool).env:
+        container["env"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pool(pool).env]
+    return container
 
 
 def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> Manifest:
@@ -157,6 +189,10 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
     if spec.model.source.pvc is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model.source.pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif spec.model.source.uri is not None:
+        # Per pod: a restarted container finds the model already there; a new pod downloads it again.
+        volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     container: Manifest = {
         "name": "worker",
@@ -183,6 +219,8 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         "volumes": volumes,
         "terminationGracePeriodSeconds": 60,  # lets a worker drain its running requests
     }
+    if spec.model.source.uri is not None:
+        pod_spec["initContainers"] = [fetch_model_container(spec, pool)]
     if pool_spec.affinity:
         pod_spec["affinity"] = pool_spec.affinity
     return {

@@ -20,7 +20,10 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "bench": ("tandem.worker.commands.bench", "Load-test an OpenAI endpoint (TTFT, ITL, goodput).", "issue 5"),
     "doctor": ("tandem.worker.commands.doctor", "Say which KV transports, GPUs and links work here.", "issue 5"),
     "operator": ("tandem.operator.main", "Run the Kubernetes operator (kopf).", "issue 3"),
+    "kv-keys": ("tandem.worker.commands.kv_keys", "Write a keypair for secure KV transfer (--kv-keys).", "issue 3"),
     "make-tiny-model": ("tandem.worker.commands.tiny_model", "Write a tiny random-weight model folder.", "issue 4"),
+    "fetch-model": ("tandem.worker.commands.fetch_model",
+                    "Download and unpack a model folder archive (http/https, optional sha256).", "issue 3"),
 }
 
 

@@ -156,6 +156,46 @@ def test_pvc_source_is_mounted_read_only() -> None:
     assert flags(pod["containers"][0]["args"])["model"] == "/models/llama"
 
 
+SHA = "ab" * 32
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+@pytest.mark.parametrize(("sha256", "checksum_args"), [(None, []), (SHA, ["--sha256", SHA])])
+def test_uri_source_is_fetched_into_an_empty_dir_by_an_init_container(pool: str, sha256: str | None,
+                                                                       checksum_args: list[str]) -> None:
+    source = {"uri": "https://models.example/tiny.tar.gz"} | ({"sha256": sha256} if sha256 else {})
+    spec = spec_of(model={"name": "m", "source": source}, image="registry.example/tandem:3",
+                   imagePullPolicy="Always", **{pool: {"env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]}})
+    pod = worker(spec, pool)["spec"]["template"]["spec"]
+    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    (init,) = pod["initContainers"]
+    assert init == {
+        "name": "fetch-model", "image": "registry.example/tandem:3", "imagePullPolicy": "Always",
+        "command": ["tandem"],
+        "args": ["fetch-model", "--uri", "https://models.example/tiny.tar.gz", "--dest", "/models/model",
+                 *checksum_args],
+        "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        "volumeMounts": [{"name": "model", "mountPath": "/models"}],
+    }
+    worker_container = pod["containers"][0]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker_container["volumeMounts"]
+    assert flags(worker_container["args"])["model"] == "/models/model"
+
+
+def test_init_container_env_is_left_out_when_the_pool_has_none() -> None:
+    spec = spec_of(model={"name": "m", "source": {"uri": "http://10.0.0.5:8080/m.tar"}})
+    (init,) = worker(spec, "decode")["spec"]["template"]["spec"]["initContainers"]
+    assert "env" not in init
+    assert init["args"] == ["fetch-model", "--uri", "http://10.0.0.5:8080/m.tar", "--dest", "/models/model"]
+
+
+@pytest.mark.parametrize("source", [{"path": "/models/tiny"}, {"pvc": {"claimName": "weights"}}])
+def test_path_and_pvc_sources_have_no_init_container(source: dict[str, Any]) -> None:
+    pod = worker(spec_of(model={"name": "m", "source": source}), "prefill")["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    assert not any("emptyDir" in v and v["name"] == "model" for v in pod["volumes"])
+
+
 def test_replicas_come_from_the_caller_not_the_spec() -> None:
     built = children(spec_of(prefill={"replicas": 1}, decode={"replicas": 1}), prefill=3, decode=5)
     assert built[("Deployment", "tiny-prefill")]["spec"]["replicas"] == 3
@@ -212,6 +252,7 @@ def test_selectors_do_not_change_when_the_spec_does() -> None:
     (lambda s: s | {"decode": {"gpusPerReplica": 2}}, False),
     (lambda s: s | {"model": {**s["model"], "name": "other"}}, False),
     (lambda s: s | {"model": {**s["model"], "source": {"path": "/models/other"}}}, False),
+    (lambda s: s | {"model": {**s["model"], "source": {"uri": "https://models.example/tiny.tar"}}}, False),
 ])
 def test_layout_hash_follows_only_kv_relevant_settings(change: Callable[[dict[str, Any]], dict[str, Any]],
                                                        same: bool) -> None:

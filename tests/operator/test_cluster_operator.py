@@ -172,6 +172,24 @@ def test_asking_for_more_gpus_than_the_pool_has_is_degraded(testbed: Bed, cleanu
     assert testbed.operator.alive() and testbed.operator.healthz()[0] == 200
 
 
+def test_uri_source_is_fetched_by_an_init_container(testbed: Bed, cleanup: list[str],
+                                                    sample: Callable[[str], dict[str, Any]]) -> None:
+    cleanup.append("fetched")
+    uri, sha256 = "https://models.example/tiny-llama.tar.gz", "0123456789abcdef" * 4
+    testbed.apply(resource(sample, "fetched", model={"name": "tiny-llama", "source": {"uri": uri, "sha256": sha256}}))
+    wait_ready(testbed, "fetched")
+    for pool in ("prefill", "decode"):
+        pod = testbed.get("deployment", f"fetched-{pool}")["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        assert init["name"] == "fetch-model" and init["command"] == ["tandem"]
+        assert init["args"] == ["fetch-model", "--uri", uri, "--dest", "/models/model", "--sha256", sha256]
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+        assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+        worker = pod["containers"][0]
+        assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
+        assert worker["args"][worker["args"].index("--model") + 1] == "/models/model"
+
+
 def test_deleting_the_resource_removes_its_children(testbed: Bed, sample: Callable[[str], dict[str, Any]]) -> None:
     testbed.apply(resource(sample, "gone"))
     wait_ready(testbed, "gone")

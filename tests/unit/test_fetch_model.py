@@ -1,0 +1,292 @@
+"""`tandem fetch-model` (the init container of a uri model source), for real: a tiny model served as a tar
+archive by an HTTP server on 127.0.0.1, fetched by the `tandem` command in a subprocess."""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import io
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from tandem.worker.model.fetch import display_url
+
+
+@dataclass
+class Server:
+    """Serves the files of `root`; /truncated/<file> announces the whole file but sends half of it."""
+
+    root: Path
+    url: str
+    requests: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tandem.worker.model.tiny import write_tiny_model
+
+    return write_tiny_model(tmp_path_factory.mktemp("src") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    root = tmp_path_factory.mktemp("www")
+    served: list[str] = []
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(root), **kwargs)  # type: ignore[arg-type]
+
+        def do_GET(self) -> None:
+            served.append(self.path)
+            if self.path.startswith("/truncated/"):
+                body = (root / self.path.removeprefix("/truncated/")).read_bytes()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body[: len(body) // 2])
+                self.wfile.flush()
+                self.close_connection = True
+                return
+            super().do_GET()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield Server(root, f"http://127.0.0.1:{httpd.server_address[1]}", served)
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def fetch(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "tandem.worker.cli", "fetch-model", *args],
+                          capture_output=True, text=True, timeout=120)
+
+
+def pack(server: Server, name: str, model: Path, mode: str = "w:gz", folder: str | None = "tiny-llama") -> str:
+    """Archive the model folder (under `folder`, or at the top when None); returns its sha256."""
+    path = server.root / name
+    with tarfile.open(path, mode) as tar:
+        for file in sorted(model.iterdir()):
+            tar.add(file, arcname=f"{folder}/{file.name}" if folder else file.name)
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def pack_members(server: Server, name: str, members: list[tuple[tarfile.TarInfo, bytes]]) -> None:
+    with tarfile.open(server.root / name, "w:gz") as tar:
+        for info, data in members:
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data else None)
+
+
+def member(name: str, data: bytes = b"{}", kind: bytes = tarfile.REGTYPE, link: str = "") -> tuple[tarfile.TarInfo, bytes]:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, link
+    return info, data if kind == tarfile.REGTYPE else b""
+
+
+def error(res: subprocess.CompletedProcess[str]) -> str:
+    """The one error line, which must be the last thing on stderr (exit code 1)."""
+    assert res.returncode == 1, (res.returncode, res.stdout, res.stderr)
+    lines = res.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("tandem fetch-model: error: ")]
+    assert errors == lines[-1:], res.stderr
+    return errors[0].removeprefix("tandem fetch-model: error: ")
+
+
+def assert_nothing_left(dest: Path) -> None:
+    assert not dest.exists(), sorted(p.name for p in dest.iterdir())
+    leftovers = sorted(p.name for p in dest.parent.iterdir()) if dest.parent.exists() else []
+    assert leftovers == [], leftovers
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    return names == sorted(p.name for p in b.iterdir()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in names)
+
+
+@pytest.mark.parametrize(("name", "mode", "folder"), [
+    ("tiny.tar.gz", "w:gz", "tiny-llama"),
+    ("tiny.tgz", "w:gz", None),
+    ("tiny.tar", "w", "tiny-llama"),
+    ("dot.tgz", "w:gz", "."),  # as `tar czf dot.tgz -C tiny-llama .` writes it
+    ("tiny-xz.tar", "w:xz", None),  # the compression comes from the content, not the name
+])
+def test_fetched_model_is_the_archived_folder_and_loads(server: Server, tiny_model: Path, tmp_path: Path,
+                                                        name: str, mode: str, folder: str | None) -> None:
+    digest = pack(server, name, tiny_model, mode, folder)
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/{name}", "--dest", str(dest), "--sha256", digest)
+    assert res.returncode == 0, res.stderr
+    assert f"sha256 {digest}, verified" in res.stdout and str(dest) in res.stdout
+    # Not a terminal (as in kubectl logs): plain lines instead of a progress bar.
+    size_mb = (server.root / name).stat().st_size / 1e6
+    assert res.stderr.splitlines()[0] == f"downloading {server.url}/{name} ({size_mb:.1f} MB)"
+    assert same_files(tiny_model, dest)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["model"]  # no work folder left beside it
+
+
+def test_fetched_model_loads_with_the_engines_loader(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    import torch
+
+    from tandem.worker.model.loader import load_model
+
+    pack(server, "load.tgz", tiny_model)
+    dest = tmp_path / "model"
+    res = fetch("--uri", f"{server.url}/load.tgz", "--dest", str(dest))  # no --sha256: still fetched
+    assert res.returncode == 0, res.stderr
+    assert "not checked: no --sha256" in res.stdout
+    fetched, original = load_model(dest), load_model(tiny_model)
+    for (name, a), (_, b) in zip(fetched.state_dict().items(), original.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
+def test_a_model_already_there_is_not_downloaded_again(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    pack(server, "again.tgz", tiny_model)
+    dest = tmp_path / "model"
+    assert fetch("--uri", f"{server.url}/again.tgz", "--dest", str(dest)).returncode == 0
+    before = len(server.requests)
+    (dest / "marker").write_text("kept")
+    res = fetch("--uri", f"{server.url}/again.tgz", "--dest", str(dest), "--sha256", "0" * 64)
+    assert res.returncode == 0, res.stderr
+    assert "already holds a model" in res.stdout and "skipping the download" in res.stdout
+    assert len(server.requests) == before  # not even a request
+    assert (dest / "marker").read_text() == "kept"
+
+
+def test_http_error_names_the_status_and_url(server: Server, tmp_path: Path) -> None:
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/missing.tgz", "--dest", str(dest))
+    assert error(res) == f"HTTP 404 File not found from {server.url}/missing.tgz"
+    assert res.stderr.count("\n") == 1  # nothing else: no empty progress bar
+    assert_nothing_left(dest)
+
+
+def test_connection_refused(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = fetch("--uri", f"http://127.0.0.1:{port}/m.tgz", "--dest", str(tmp_path / "m" / "model"))
+    assert error(res).startswith(f"cannot connect to http://127.0.0.1:{port}/m.tgz: ")
+
+
+def test_checksum_mismatch_says_expected_and_got(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    digest = pack(server, "sum.tgz", tiny_model)
+    wrong = "F" * 64  # upper case is accepted on the command line
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/sum.tgz", "--dest", str(dest), "--sha256", wrong)
+    assert error(res) == f"checksum mismatch for {server.url}/sum.tgz: expected sha256 {'f' * 64}, got {digest}"
+    assert_nothing_left(dest)
+
+
+def test_download_cut_short_fails(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    pack(server, "cut.tgz", tiny_model)
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/truncated/cut.tgz", "--dest", str(dest))
+    assert error(res).startswith(f"download of {server.url}/truncated/cut.tgz failed after ")
+    assert_nothing_left(dest)
+
+
+@pytest.mark.parametrize(("content", "expected"), [
+    ("garbage", "is not a tar archive (plain, gzip, bzip2 or xz)"),
+    ("truncated-gzip", "is a damaged tar archive"),
+])
+def test_corrupt_archive_is_refused(server: Server, tiny_model: Path, tmp_path: Path, content: str,
+                                    expected: str) -> None:
+    if content == "garbage":
+        (server.root / "bad.tgz").write_bytes(b"this is not a tar archive\n" * 100)
+    else:
+        pack(server, "whole.tgz", tiny_model)
+        whole = (server.root / "whole.tgz").read_bytes()
+        (server.root / "bad.tgz").write_bytes(whole[: len(whole) // 2])
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/bad.tgz", "--dest", str(dest))
+    assert error(res).startswith(f"{server.url}/bad.tgz {expected}")
+    assert_nothing_left(dest)
+
+
+@pytest.mark.parametrize(("members", "expected"), [
+    ([member("tiny/tokenizer.json")], "no config.json in the archive"),
+    ([member("a/config.json"), member("b/config.json")], "several model folders (a, b)"),
+    ([member("deep/er/config.json")], "no config.json in the archive"),
+])
+def test_archive_without_one_model_folder_is_refused(server: Server, tmp_path: Path,
+                                                     members: list[tuple[tarfile.TarInfo, bytes]],
+                                                     expected: str) -> None:
+    pack_members(server, "nomodel.tgz", members)
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/nomodel.tgz", "--dest", str(dest))
+    assert expected in error(res)
+    assert_nothing_left(dest)
+
+
+@pytest.mark.parametrize(("evil", "expected"), [
+    (member("../escaped.txt"), "'../escaped.txt' would land outside"),
+    (member("tiny/../../escaped.txt"), "would land outside"),
+    (member("/tmp/tandem-fetch-absolute.txt"), "would land outside"),
+    (member("tiny/passwd", kind=tarfile.SYMTYPE, link="/etc/passwd"), "links outside the model folder (to '/etc/passwd')"),
+    (member("tiny/up", kind=tarfile.SYMTYPE, link="../../escaped.txt"), "links outside"),
+    (member("tiny/hard", kind=tarfile.LNKTYPE, link="../escaped.txt"), "links outside"),
+    (member("tiny/dev", kind=tarfile.CHRTYPE), "unsafe archive member"),  # tarfile's data filter
+])
+def test_members_that_escape_are_refused(server: Server, tmp_path: Path, evil: tuple[tarfile.TarInfo, bytes],
+                                         expected: str) -> None:
+    pack_members(server, "evil.tgz", [member("tiny/config.json"), evil])
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/evil.tgz", "--dest", str(dest))
+    assert expected in error(res)
+    assert_nothing_left(dest)
+    assert not (tmp_path / "escaped.txt").exists() and not Path("/tmp/tandem-fetch-absolute.txt").exists()
+
+
+def test_a_work_folder_left_by_a_killed_fetch_is_removed(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    pack(server, "stale.tgz", tiny_model)
+    stale = tmp_path / ".model.fetch-old"
+    (stale / "unpacked").mkdir(parents=True)
+    (stale / "archive").write_bytes(b"half a download")
+    res = fetch("--uri", f"{server.url}/stale.tgz", "--dest", str(tmp_path / "model"))
+    assert res.returncode == 0, res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_non_empty_destination_without_a_model_is_left_alone(server: Server, tiny_model: Path,
+                                                               tmp_path: Path) -> None:
+    pack(server, "busy.tgz", tiny_model)
+    dest = tmp_path / "model"
+    dest.mkdir()
+    (dest / "notes.txt").write_text("mine")
+    res = fetch("--uri", f"{server.url}/busy.tgz", "--dest", str(dest))
+    assert error(res) == f"{dest} exists but holds no config.json; remove it or choose another --dest"
+    assert sorted(p.name for p in dest.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (["--uri", "ftp://models.example/m.tgz"], "not an http:// or https:// URL"),
+    (["--uri", "http://x/m.tgz", "--sha256", "abc"], "expected 64 hex digits"),
+])
+def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], expected: str) -> None:
+    res = fetch(*args, "--dest", str(tmp_path / "model"))
+    assert res.returncode == 2 and expected in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize(("uri", "shown"), [
+    ("https://user:secret@models.example:8443/m.tgz?X-Amz-Signature=abc", "https://models.example:8443/m.tgz?..."),
+    ("http://models.example/a/b.tar", "http://models.example/a/b.tar"),
+    ("http://[::1]:8080/m.tgz", "http://[::1]:8080/m.tgz"),
+])
+def test_messages_hide_credentials_and_signatures(uri: str, shown: str) -> None:
+    assert display_url(uri) == shown

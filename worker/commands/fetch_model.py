@@ -1,0 +1,95 @@
+"""`tandem fetch-model --uri URL --dest DIR [--sha256 HEX]`: download and unpack a model folder.
+
+The init container of a worker pod whose model source is a uri runs this (docs/operator.md).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+from urllib.parse import urlsplit
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+
+from tandem.worker.model.fetch import FetchError, display_url, fetch_model
+
+LOG_EVERY_S = 10.0
+
+
+def _check_uri(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    parts = urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise click.BadParameter(f"{value!r} is not an http:// or https:// URL")
+    return value
+
+
+def _check_sha256(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    if value is not None and not re.fullmatch(r"[0-9a-fA-F]{64}", value):
+        raise click.BadParameter("expected 64 hex digits (the output of sha256sum)")
+    return value.lower() if value else None
+
+
+@click.command("fetch-model")
+@click.option("--uri", required=True, callback=_check_uri,
+              help="http(s) URL of a .tar, .tar.gz or .tgz of the model folder (config.json at its top or in "
+                   "its one top-level folder).")
+@click.option("--dest", required=True, type=click.Path(file_okay=False),
+              help="Where the model folder goes; nothing is downloaded when DEST/config.json already exists.")
+@click.option("--sha256", default=None, callback=_check_sha256,
+              help="Expected SHA-256 of the archive; a download that differs is refused.")
+def command(uri: str, dest: str, sha256: str | None) -> None:
+    """Download a model folder archive, verify it and unpack it into DEST, atomically."""
+    console = Console(stderr=True)
+    # Started on the first byte only, so a skipped fetch or an HTTP error draws no empty bar.
+    progress = Progress(TextColumn("download"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        TimeRemainingColumn(), console=console, disable=not console.is_terminal)
+    task = progress.add_task("download", total=None)
+    started = time.monotonic()
+    last_line = started
+
+    def on_progress(received: int, total: int | None) -> None:
+        nonlocal last_line
+        if console.is_terminal:
+            if not progress.live.is_started:
+                progress.start()
+            progress.update(task, completed=received, total=total)
+            return
+        # Not a terminal (kubectl logs): a plain line every LOG_EVERY_S instead of a bar nobody sees.
+        if received == 0:
+            size = f" ({total / 1e6:.1f} MB)" if total else ""
+            click.echo(f"downloading {display_url(uri)}{size}", err=True)
+        now = time.monotonic()
+        if now - last_line >= LOG_EVERY_S:
+            last_line = now
+            of = f" of {total / 1e6:.1f} MB ({100 * received / total:.0f}%)" if total else ""
+            click.echo(f"downloaded {received / 1e6:.1f} MB{of}, {received / 1e6 / (now - started):.1f} MB/s",
+                       err=True)
+
+    def stop_progress() -> None:
+        if progress.live.is_started:  # stopping an unstarted Progress still prints a newline
+            progress.stop()
+
+    try:
+        result = fetch_model(uri, dest, sha256=sha256, on_progress=on_progress)
+    except FetchError as exc:
+        stop_progress()
+        click.echo(f"tandem fetch-model: error: {' '.join(str(exc).split())}", err=True)
+        sys.exit(1)
+    finally:
+        stop_progress()
+    if result.skipped:
+        click.echo(f"{result.path} already holds a model (config.json is there): skipping the download")
+        return
+    checked = "verified" if sha256 else "not checked: no --sha256"
+    click.echo(f"fetched {display_url(uri)} ({result.size_bytes / 1e6:.1f} MB in {result.seconds:.1f} s, "
+               f"sha256 {result.sha256}, {checked}) into {result.path}")
