@@ -6,6 +6,8 @@ directly. reconcile.py applies the result with server-side apply.
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +22,7 @@ from tandem.operator.api import (
     ResourceRequirements,
     Toleration,
 )
+from tandem.worker.kv.keys import KVKeys
 
 Manifest = dict[str, Any]
 
@@ -33,6 +36,14 @@ LAYOUT_HASH_ENV = "TANDEM_LAYOUT_HASH"
 MODEL_MOUNT = "/models"
 FETCHED_MODEL_DIR = f"{MODEL_MOUNT}/model"  # where the fetch-model init container unpacks a uri source
 FETCH_CONTAINER = "fetch-model"
+KV_KEYS_MOUNT = "/etc/tandem/kv-keys"  # the Secret's public and secret files: `tandem worker --kv-keys`
+KV_KEYS_VOLUME = "kv-keys"
+KV_KEYS_COMPONENT = "kv-keys"  # the Secret's component label (shared by both pools)
+# On the worker pod template: a new keypair (the Secret deleted and recreated) rolls the pools.
+KV_KEYS_FINGERPRINT_ANNOTATION = "tandem.dev/kv-keys-fingerprint"
+# The Secret's keys, which become the files of the mounted folder (tandem.worker.transfer.security's
+# PUBLIC_FILE and SECRET_FILE; a unit test keeps them equal).
+KV_PUBLIC_KEY, KV_SECRET_KEY = "public", "secret"
 MANAGER = "tandem-operator"
 Component = str  # prefill | decode | router
 
@@ -142,6 +153,7 @@ def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layo
         "--tensor-parallel", str(pool_spec.gpus_per_replica),
         "--max-model-len", str(spec.model.max_model_len),
         "--layout-hash", layout_hash,
+        *(["--kv-keys", KV_KEYS_MOUNT] if spec.kv_transfer.secure else []),
         *pool_spec.args,
     ]
 
@@ -171,8 +183,12 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
     return container
 
 
-def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> Manifest:
+def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str,
+                        kv_keys_fingerprint: str | None = None) -> Manifest:
+    """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on."""
     pool_spec = spec.pool(pool)
+    if spec.kv_transfer.secure and not kv_keys_fingerprint:
+        raise ValueError("kvTransfer.secure: the worker pod template needs the KV keys' fingerprint")
     extended = {GPU_RESOURCE: pool_spec.gpus_per_replica}
     if spec.kv_transfer.transport in ("rdma", "auto"):
         extended[spec.kv_transfer.rdma_resource] = 1
@@ -194,6 +210,12 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         # Per pod: a restarted container finds the model already there; a new pod downloads it again.
         volumes.append({"name": "model", "emptyDir": {}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    if spec.kv_transfer.secure:
+        volumes.append(kv_keys_volume(owner))
+        mounts.append({"name": KV_KEYS_VOLUME, "mountPath": KV_KEYS_MOUNT, "readOnly": True})
+        annotations[KV_KEYS_FINGERPRINT_ANNOTATION] = str(kv_keys_fingerprint)
     container: Manifest = {
         "name": "worker",
         "image": spec.image,
@@ -226,8 +248,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
     return {
         "metadata": {
             "labels": {**labels(owner, pool), LAYOUT_HASH_LABEL: layout_hash},
-            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
-                            "prometheus.io/path": "/metrics"},
+            "annotations": annotations,
         },
         "spec": pod_spec,
     }
@@ -255,8 +276,8 @@ def _deployment(owner: Owner, component: Component, replicas: int, template: Man
 
 
 def worker_deployment(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, replicas: int,
-                      layout_hash: str) -> Manifest:
-    template = worker_pod_template(owner, spec, pool, layout_hash)
+                      layout_hash: str, kv_keys_fingerprint: str | None = None) -> Manifest:
+    template = worker_pod_template(owner, spec, pool, layout_hash, kv_keys_fingerprint)
     return _deployment(owner, pool, replicas, template, {LAYOUT_HASH_LABEL: layout_hash})
 
 
@@ -362,16 +383,51 @@ def router_access(owner: Owner) -> list[Manifest]:
 
 
 def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping[PoolName, int],
-                   layout_hash: str) -> list[Manifest]:
-    """Every child of one resource, in apply order (RBAC before the pods that use it)."""
+                   layout_hash: str, kv_keys_fingerprint: str | None = None) -> list[Manifest]:
+    """Every child of one resource, in apply order (RBAC before the pods that use it).
+
+    Not the KV keys Secret: it is created once (kv_keys.ensure), never applied."""
     children: list[Manifest] = [*router_access(owner)]
     for pool in ("prefill", "decode"):
         children.append(worker_service(owner, pool))
         children.append(pool_disruption_budget(owner, pool))
-        children.append(worker_deployment(owner, spec, pool, replicas[pool], layout_hash))
+        children.append(worker_deployment(owner, spec, pool, replicas[pool], layout_hash, kv_keys_fingerprint))
     children.append(router_service(owner, spec))
     children.append(router_deployment(owner, spec, spec.router.replicas))
     return children
+
+
+# ---------------------------------------------------------------- KV transfer keys (kvTransfer.secure)
+
+
+def kv_keys_secret_name(owner: Owner) -> str:
+    return child_name(owner, "kv-keys")
+
+
+def kv_keys_fingerprint(keys: KVKeys) -> str:
+    """Short and public (a hash of the public key): names a keypair on the pod template without revealing it."""
+    return hashlib.sha256(keys.public).hexdigest()[:12]
+
+
+def kv_keys_secret(owner: Owner, keys: KVKeys) -> Manifest:
+    """The model's keypair as a Secret (keys `public` and `secret`, as the worker's --kv-keys folder wants them)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(owner, kv_keys_secret_name(owner), KV_KEYS_COMPONENT),
+        "type": "Opaque",
+        "data": {KV_PUBLIC_KEY: base64.b64encode(keys.public).decode(),
+                 KV_SECRET_KEY: base64.b64encode(keys.secret).decode()},
+    }
+
+
+def kv_keys_volume(owner: Owner) -> Manifest:
+    """The Secret as a volume: only its two keys, readable by the worker's user alone."""
+    return {"name": KV_KEYS_VOLUME, "secret": {
+        "secretName": kv_keys_secret_name(owner),
+        "items": [{"key": KV_PUBLIC_KEY, "path": KV_PUBLIC_KEY}, {"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
+        "defaultMode": 0o400,
+    }}
 
 
 # ---------------------------------------------------------------- per-pool scale

@@ -39,6 +39,7 @@ class Problems:
 
     invalid_spec: str | None = None
     apply_failed: str | None = None
+    kv_keys: str | None = None  # the kvTransfer.secure Secret holds no usable keypair (nothing was applied)
 
 
 def _count(deployment: Mapping[str, Any] | None, key: str) -> int:
@@ -94,6 +95,8 @@ def degraded_reasons(observations: Sequence[PoolObservation], problems: Problems
     reasons: list[tuple[str, str]] = []
     if problems.invalid_spec:
         reasons.append(("InvalidSpec", problems.invalid_spec))
+    if problems.kv_keys:
+        reasons.append(("KVKeysInvalid", problems.kv_keys))
     if problems.apply_failed:
         reasons.append(("ApplyFailed", problems.apply_failed))
     for obs in observations:

@@ -28,6 +28,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "ServiceAccount"): "serviceaccounts",
     ("v1", "Pod"): "pods",
     ("v1", "Event"): "events",
+    ("v1", "Secret"): "secrets",  # only the kvTransfer.secure keypair: get and create, never list or apply
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",

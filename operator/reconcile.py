@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.operator import builders, conditions, pool_scale
+from tandem.operator import builders, conditions, kv_keys, pool_scale
 from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
 from tandem.operator.kube import Kube, KubeError
 from tandem.operator.layout_hash import spec_layout_hash
@@ -43,6 +43,7 @@ class Outcome:
     status: dict[str, Any] = field(default_factory=dict)
     apply_error: str | None = None
     invalid_spec: str | None = None
+    invalid_kv_keys: str | None = None
 
 
 def now_rfc3339() -> str:
@@ -96,10 +97,32 @@ def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome
         return _reconcile_locked(kube, body, lambda *event: emit(body, *event))
 
 
+def _kv_keys_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outcome,
+                         emit: Callable[[str, str, str], None]) -> str | None:
+    """kvTransfer.secure: read (or create once) the keys Secret; None, with the problem recorded, if unusable."""
+    name = builders.kv_keys_secret_name(owner)
+    try:
+        keys, created = kv_keys.ensure(kube, owner)
+    except kv_keys.InvalidKeys as exc:
+        outcome.invalid_kv_keys = str(exc)
+        return None
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        outcome.apply_error = "; ".join(filter(None, (outcome.apply_error, f"Secret {name}: {exc}")))
+        return None
+    fingerprint = builders.kv_keys_fingerprint(keys)
+    if created:
+        outcome.applied.append(f"Secret {name}")
+        emit("Normal", "KVKeysCreated", f"created Secret {name} with a new KV transfer keypair ({fingerprint})")
+    return fingerprint
+
+
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
-                    layout_hash: str, outcome: Outcome, emit: Callable[[str, str, str], None],
-                    before: Mapping[str, dict[str, Any]]) -> None:
-    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash):
+                    layout_hash: str, kv_keys_fingerprint: str | None, outcome: Outcome,
+                    emit: Callable[[str, str, str], None], before: Mapping[str, dict[str, Any]]) -> None:
+    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash,
+                                         kv_keys_fingerprint):
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
             kube.apply(child)
@@ -153,10 +176,14 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         pools = _pool_resources(kube, owner, spec, old_status, before, outcome)
         desired = {pool: desired_replicas(spec, old_status, pool, pools.external(pool)) for pool in POOLS}
         desired["router"] = spec.router.replicas
-        _apply_children(kube, owner, spec, desired, layout_hash, outcome, emit, before)
+        fingerprint = _kv_keys_fingerprint(kube, owner, outcome, emit) if spec.kv_transfer.secure else None
+        if fingerprint is not None or not spec.kv_transfer.secure:
+            _apply_children(kube, owner, spec, desired, layout_hash, fingerprint, outcome, emit, before)
+        # else: nothing is applied (the pods as they run stay) until the keys are usable again.
 
     observations = _observe(kube, owner, desired, outcome)
-    problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error)
+    problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error,
+                                   kv_keys=outcome.invalid_kv_keys)
     new_conditions = conditions.merge_conditions(
         old_status.get("conditions") or [], conditions.compute_conditions(observations, problems),
         now_rfc3339(), generation,

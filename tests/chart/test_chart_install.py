@@ -164,8 +164,10 @@ def installed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
 
 def sample(name: str) -> str:
+    """The minimal sample with kvTransfer.secure, so the rule on Secrets (its keypair) is exercised too."""
     body = yaml.safe_load(SAMPLE.read_text())
     body["metadata"]["name"] = name
+    body["spec"]["kvTransfer"] = {"secure": True}
     return json.dumps(body)
 
 

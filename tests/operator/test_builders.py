@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
-from tandem.operator import builders
+from tandem.operator import builders, kv_keys
 from tandem.operator.api import DisaggregatedModelSpec
 from tandem.operator.layout_hash import spec_layout_hash
+from tandem.worker.kv.keys import KVKeys
 
 OWNER = builders.Owner(name="tiny", namespace="serving", uid="uid-1")
 
@@ -260,3 +263,98 @@ def test_layout_hash_follows_only_kv_relevant_settings(change: Callable[[dict[st
     before = spec_layout_hash(DisaggregatedModelSpec.model_validate(base))
     after = spec_layout_hash(DisaggregatedModelSpec.model_validate(change(dict(base))))
     assert (before == after) == same
+
+
+# ---------------------------------------------------------------- kvTransfer.secure
+
+KEYS = KVKeys.generate()
+FINGERPRINT = builders.kv_keys_fingerprint(KEYS)
+
+
+def secure_children(**changes: Any) -> dict[tuple[str, str], dict[str, Any]]:
+    spec = spec_of(kvTransfer={"secure": True}, **changes)
+    built = builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, spec_layout_hash(spec), FINGERPRINT)
+    return {(c["kind"], c["metadata"]["name"]): c for c in built}
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_secure_workers_mount_the_keys_secret_and_pass_kv_keys(pool: str) -> None:
+    template = secure_children(**{pool: {"args": ["--x", "1"]}})[("Deployment", f"tiny-{pool}")]["spec"]["template"]
+    pod = template["spec"]
+    assert {"name": "kv-keys", "secret": {
+        "secretName": "tiny-kv-keys",
+        "items": [{"key": "public", "path": "public"}, {"key": "secret", "path": "secret"}],
+        "defaultMode": 0o400,
+    }} in pod["volumes"]
+    c = pod["containers"][0]
+    assert {"name": "kv-keys", "mountPath": "/etc/tandem/kv-keys", "readOnly": True} in c["volumeMounts"]
+    assert flags(c["args"])["kv-keys"] == "/etc/tandem/kv-keys"
+    assert c["args"][-2:] == ["--x", "1"]  # the pool's own args still come last
+    assert template["metadata"]["annotations"]["tandem.dev/kv-keys-fingerprint"] == FINGERPRINT
+
+
+def test_secure_transfer_leaves_the_router_alone() -> None:
+    router = secure_children()[("Deployment", "tiny-router")]["spec"]["template"]
+    assert router == children(spec_of())[("Deployment", "tiny-router")]["spec"]["template"]
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_without_secure_there_is_no_mount_flag_or_annotation(pool: str) -> None:
+    template = worker(spec_of(), pool)["spec"]["template"]
+    c = template["spec"]["containers"][0]
+    assert "kv-keys" not in {v["name"] for v in template["spec"]["volumes"]}
+    assert "kv-keys" not in {m["name"] for m in c["volumeMounts"]}
+    assert "--kv-keys" not in c["args"]
+    assert "tandem.dev/kv-keys-fingerprint" not in template["metadata"]["annotations"]
+    # A fingerprint passed anyway (say, a stale one) changes nothing while secure is off.
+    spec = spec_of()
+    assert builders.worker_pod_template(OWNER, spec, pool, "h", FINGERPRINT) == \
+        builders.worker_pod_template(OWNER, spec, pool, "h")
+
+
+def test_secure_without_a_fingerprint_is_refused() -> None:
+    with pytest.raises(ValueError, match="fingerprint"):
+        builders.worker_pod_template(OWNER, spec_of(kvTransfer={"secure": True}), "prefill", "h")
+
+
+def test_new_keys_change_the_worker_templates_and_nothing_else() -> None:
+    spec = spec_of(kvTransfer={"secure": True})
+    other = builders.kv_keys_fingerprint(KVKeys.generate())
+    assert other != FINGERPRINT and len(other) == 12 and int(other, 16) >= 0
+    one = builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, "h", FINGERPRINT)
+    two = builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, "h", other)
+    changed = sorted(a["metadata"]["name"] for a, b in zip(one, two, strict=True) if a != b)
+    assert changed == ["tiny-decode", "tiny-prefill"]
+    for a, b in zip(one, two, strict=True):
+        if a != b:
+            a["spec"]["template"]["metadata"]["annotations"].pop("tandem.dev/kv-keys-fingerprint")
+            b["spec"]["template"]["metadata"]["annotations"].pop("tandem.dev/kv-keys-fingerprint")
+            assert a == b
+
+
+def test_the_fingerprint_is_a_hash_of_the_public_key_only() -> None:
+    assert hashlib.sha256(KEYS.public).hexdigest()[:12] == FINGERPRINT
+    assert KEYS.secret.decode() not in FINGERPRINT and KEYS.public.decode() not in FINGERPRINT
+
+
+def test_keys_secret_manifest() -> None:
+    secret = builders.kv_keys_secret(OWNER, KEYS)
+    assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
+    meta = secret["metadata"]
+    assert (meta["name"], meta["namespace"]) == ("tiny-kv-keys", "serving")
+    assert meta["ownerReferences"] == [{
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "name": "tiny", "uid": "uid-1",
+        "controller": True}]
+    assert meta["labels"] == {
+        "app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": "tiny",
+        "app.kubernetes.io/component": "kv-keys", "app.kubernetes.io/managed-by": "tandem-operator",
+        "tandem.dev/model": "tiny", "tandem.dev/role": "kv-keys"}
+    assert set(secret["data"]) == {"public", "secret"}
+    assert base64.b64decode(secret["data"]["public"]) == KEYS.public
+    assert base64.b64decode(secret["data"]["secret"]) == KEYS.secret
+    assert kv_keys.from_secret(secret) == KEYS
+
+
+def test_the_keys_secret_is_not_among_the_applied_children() -> None:
+    """Applying it would write new keys at every reconcile: it is created once, by kv_keys.ensure."""
+    assert not [name for kind, name in secure_children() if kind == "Secret"]

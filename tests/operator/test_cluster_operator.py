@@ -3,7 +3,9 @@ kwok GPU nodes), running as `tandem operator` in a subprocess and driven with ku
 
 from __future__ import annotations
 
+import base64
 import copy
+import hashlib
 import json
 import re
 import time
@@ -15,6 +17,7 @@ import pytest
 from operator_harness import OperatorProcess, condition, wait_for
 
 from tandem.operator.rbac import cluster_role
+from tandem.worker.kv.keys import KVKeys
 
 pytestmark = pytest.mark.integration
 
@@ -275,7 +278,9 @@ def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Call
         operator = OperatorProcess(tmp_path / "kubeconfig", ns, tmp_path / "operator.log", testbed.cluster.env)
         operator.start()
 
-        testbed.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(resource(sample, "scoped")))
+        # Secure, so the secrets rule (get, create) is exercised too.
+        testbed.kubectl("apply", "-n", ns, "-f", "-",
+                        input=json.dumps(resource(sample, "scoped", kvTransfer={"secure": True})))
 
         def ready() -> dict[str, Any] | None:
             dm = json.loads(testbed.kubectl("get", "dm", "scoped", "-n", ns, "-o", "json").stdout)
@@ -285,6 +290,8 @@ def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Call
                  on_timeout=operator.log_tail)
         events = json.loads(testbed.kubectl("get", "events", "-n", ns, "-o", "json").stdout)["items"]
         assert any(e["involvedObject"]["name"] == "scoped" and e["reason"] == "Ready" for e in events)
+        assert any(e["involvedObject"]["name"] == "scoped" and e["reason"] == "KVKeysCreated" for e in events)
+        testbed.kubectl("get", "secret", "scoped-kv-keys", "-n", ns)
         testbed.kubectl("delete", "dm", "scoped", "-n", ns, "--timeout=30s")  # the operator releases its finalizer
         log = operator.log_tail(200_000)
         # A refused call shows as "Forbidden"/"forbidden" or an HTTP 403 status; timestamps such as
@@ -322,3 +329,99 @@ def test_autoscaled_pool_follows_status_desired_replicas(testbed: Bed, cleanup: 
 
     set_desired(9)  # above maxReplicas
     testbed.wait_for("scaled-decode to be clamped to maxReplicas=4", lambda: decode_replicas() == 4 or None, timeout=30)
+
+
+def keys_of(secret: dict[str, Any], folder: Path) -> KVKeys:
+    """The Secret's pair as a worker loads it from the mounted folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for key, value in secret["data"].items():
+        (folder / key).write_bytes(base64.b64decode(value))
+    return KVKeys.load(folder)
+
+
+def fingerprints(testbed: Bed, name: str) -> dict[str, str | None]:
+    return {pool: testbed.get("deployment", f"{name}-{pool}")["spec"]["template"]["metadata"]["annotations"].get(
+        "tandem.dev/kv-keys-fingerprint") for pool in ("prefill", "decode")}
+
+
+def test_secure_transfer_keeps_its_keys_in_a_secret_until_it_is_deleted(
+        testbed: Bed, cleanup: list[str], sample: Callable[[str], dict[str, Any]], tmp_path: Path) -> None:
+    cleanup.append("secure")
+    testbed.apply(resource(sample, "secure", kvTransfer={"secure": True}))
+    wait_ready(testbed, "secure")
+
+    secret = testbed.get("secret", "secure-kv-keys")
+    assert secret is not None and secret["type"] == "Opaque"
+    assert [(r["kind"], r["name"]) for r in secret["metadata"]["ownerReferences"]] == [("DisaggregatedModel", "secure")]
+    assert secret["metadata"]["labels"]["app.kubernetes.io/instance"] == "secure"
+    keys = keys_of(secret, tmp_path / "first")
+    fingerprint = hashlib.sha256(keys.public).hexdigest()[:12]
+    assert fingerprints(testbed, "secure") == {"prefill": fingerprint, "decode": fingerprint}
+    for pool in ("prefill", "decode"):
+        pod = testbed.get("deployment", f"secure-{pool}")["spec"]["template"]["spec"]
+        assert {"name": "kv-keys", "secret": {
+            "secretName": "secure-kv-keys", "defaultMode": 0o400,
+            "items": [{"key": "public", "path": "public"}, {"key": "secret", "path": "secret"}]}} in pod["volumes"]
+        worker = pod["containers"][0]
+        assert {"name": "kv-keys", "mountPath": "/etc/tandem/kv-keys", "readOnly": True} in worker["volumeMounts"]
+        assert worker["args"][worker["args"].index("--kv-keys") + 1] == "/etc/tandem/kv-keys"
+        pods = testbed.list("pods", f"app.kubernetes.io/instance=secure,app.kubernetes.io/component={pool}")
+        assert pods and all(p["metadata"]["annotations"]["tandem.dev/kv-keys-fingerprint"] == fingerprint
+                            for p in pods)
+    router = testbed.get("deployment", "secure-router")["spec"]["template"]["spec"]
+    assert "--kv-keys" not in router["containers"][0]["args"]
+
+    # A spec change (and the resyncs around it) leave the Secret as it is: no new keys per reconcile.
+    testbed.kubectl("patch", "dm", "secure", "-n", testbed.namespace, "--type=merge", "-p",
+                    json.dumps({"spec": {"image": "registry.example/tandem:2"}}))
+    testbed.wait_for("the new image on both pools", lambda: all(
+        testbed.get("deployment", f"secure-{pool}")["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "registry.example/tandem:2" for pool in ("prefill", "decode")) or None)
+    wait_ready(testbed, "secure")
+    time.sleep(6)  # at least one resync (TANDEM_OPERATOR_RESYNC_SECONDS=5)
+    after = testbed.get("secret", "secure-kv-keys")
+    assert after["data"] == secret["data"]
+    assert after["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+    assert fingerprints(testbed, "secure") == {"prefill": fingerprint, "decode": fingerprint}
+
+    # Deleting the Secret rotates the keys: a new pair, and the pools roll onto it.
+    testbed.kubectl("delete", "secret", "secure-kv-keys", "-n", testbed.namespace)
+    renewed = testbed.wait_for("a new secure-kv-keys", lambda: (
+        s if (s := testbed.get("secret", "secure-kv-keys")) and s["metadata"]["uid"] != secret["metadata"]["uid"]
+        else None), timeout=30)
+    new_keys = keys_of(renewed, tmp_path / "second")
+    assert new_keys != keys
+    new_fingerprint = hashlib.sha256(new_keys.public).hexdigest()[:12]
+    testbed.wait_for("both pools' templates to carry the new fingerprint", lambda: fingerprints(
+        testbed, "secure") == {"prefill": new_fingerprint, "decode": new_fingerprint} or None, timeout=30)
+    testbed.wait_for("every worker pod to carry the new fingerprint", lambda: all(
+        p["metadata"]["annotations"]["tandem.dev/kv-keys-fingerprint"] == new_fingerprint
+        for p in testbed.list("pods", "app.kubernetes.io/instance=secure,app.kubernetes.io/component in "
+                                      "(prefill,decode)") if not p["metadata"].get("deletionTimestamp")) or None)
+    wait_ready(testbed, "secure")
+
+
+def test_a_keys_secret_without_a_usable_pair_is_degraded_naming_it(
+        testbed: Bed, cleanup: list[str], sample: Callable[[str], dict[str, Any]]) -> None:
+    cleanup.append("badkeys")
+    testbed.kubectl("create", "secret", "generic", "badkeys-kv-keys", "-n", testbed.namespace,
+                    "--from-literal=public=not-a-key", "--from-literal=secret=not-a-key-either")
+    try:
+        testbed.apply(resource(sample, "badkeys", kvTransfer={"secure": True}))
+        dm = testbed.wait_for("dm/badkeys to be Degraded", lambda: (
+            d if condition(d := testbed.get("dm", "badkeys"), "Degraded").get("status") == "True" else None))
+        degraded = condition(dm, "Degraded")
+        assert degraded["reason"] == "KVKeysInvalid", degraded
+        assert "Secret badkeys-kv-keys" in degraded["message"], degraded["message"]
+        assert condition(dm, "Ready")["status"] == "False"
+        assert not children(testbed, "badkeys", "deployments")  # nothing applied with keys it cannot use
+        secret = testbed.get("secret", "badkeys-kv-keys")
+        assert base64.b64decode(secret["data"]["public"]) == b"not-a-key"  # reported, never replaced
+        time.sleep(1)
+        assert testbed.operator.alive() and testbed.operator.healthz()[0] == 200
+    finally:
+        testbed.kubectl("delete", "secret", "badkeys-kv-keys", "-n", testbed.namespace, check=False)
+    # Deleting it lets the operator make a pair of its own.
+    wait_ready(testbed, "badkeys")
+    assert condition(testbed.get("dm", "badkeys"), "Degraded")["status"] == "False"
+    assert testbed.get("secret", "badkeys-kv-keys")["metadata"]["ownerReferences"][0]["name"] == "badkeys"

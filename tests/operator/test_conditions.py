@@ -64,6 +64,8 @@ def by_type(conditions: list[Any]) -> dict[str, Any]:
         deployment(1, 1)), Problems(), {"Degraded": ("True", "ProgressDeadlineExceeded")}, id="deadline"),
     pytest.param(observe(deployment(1, 1), deployment(1, 1), deployment(1, 1)), Problems(apply_failed="Deployment x: forbidden"),
                  {"Ready": ("True", "AllPoolsReady"), "Degraded": ("True", "ApplyFailed")}, id="apply-failed"),
+    pytest.param(observe(None, None, None), Problems(kv_keys="Secret tiny-kv-keys does not hold a usable KV transfer keypair"),
+                 {"Ready": ("False", "Creating"), "Degraded": ("True", "KVKeysInvalid")}, id="kv-keys-invalid"),
     pytest.param(observe(None, None, None), Problems(invalid_spec="spec.model.name: Field required"),
                  {"Ready": ("False", "InvalidSpec"), "Progressing": ("False", "InvalidSpec"),
                   "Degraded": ("True", "InvalidSpec")}, id="invalid-spec"),

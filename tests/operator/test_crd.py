@@ -85,7 +85,7 @@ def test_nested_defaults_are_complete_so_a_minimal_resource_works() -> None:
     assert spec["prefill"]["default"]["replicas"] == 1
     assert spec["prefill"]["default"]["autoscaling"]["enabled"] is False
     assert spec["kvTransfer"]["default"] == {"transport": "auto", "blockSize": 16,
-                                             "rdmaResource": "rdma/rdma_shared_device_a"}
+                                             "rdmaResource": "rdma/rdma_shared_device_a", "secure": False}
 
 
 def test_every_field_is_in_the_reference() -> None:

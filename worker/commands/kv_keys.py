@@ -12,7 +12,7 @@ import click
 @click.option("--force", is_flag=True, help="Replace keys already in FOLDER.")
 def command(folder: Path, force: bool) -> None:
     """Write a new CURVE keypair (files `public` and `secret`) into FOLDER."""
-    from tandem.worker.transfer.security import PUBLIC_FILE, SECRET_FILE, KVKeys
+    from tandem.worker.kv.keys import PUBLIC_FILE, SECRET_FILE, KVKeys
 
     if not force and ((folder / PUBLIC_FILE).exists() or (folder / SECRET_FILE).exists()):
         raise click.ClickException(f"{folder} already holds KV keys (--force replaces them; every worker of the "
