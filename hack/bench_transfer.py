@@ -10,6 +10,7 @@ processes spent per GiB moved, which stays meaningful when other work shares the
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
         [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default ...]   # several: an A/B in one run
+        [--rounds 4]   # raw and the variants take turns this many times per size (more: fairer under load)
 """
 
 from __future__ import annotations
@@ -273,9 +274,13 @@ def main() -> int:
     parser.add_argument("--variant", action="append", default=[],
                         help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default]; repeat for an "
                              "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
+    parser.add_argument("--rounds", type=int, default=4,
+                        help="turns per size: raw and each variant alternate this many times within --seconds")
     parser.add_argument("--json", help="also write the rows here")
     args = parser.parse_args()
     sizes = [parse_size(s) for s in args.sizes.split(",")]
+    if args.rounds <= 0:
+        parser.error("--rounds must be positive")
     if any(size < UNIT or size % UNIT for size in sizes):
         parser.error(f"every size must be a positive multiple of {UNIT} bytes (one block, K and V)")
     try:
@@ -288,7 +293,7 @@ def main() -> int:
     try:
         for v in variants:
             clients[v.label] = TcpClient(max(sizes), v)
-        results = measure(clients, sizes, args.seconds)
+        results = measure(clients, sizes, args.seconds, args.rounds)
     finally:
         for client in clients.values():
             client.close()

@@ -85,6 +85,23 @@ def test_check_data_frame_accepts_a_good_frame_and_names_the_problem_otherwise()
     assert corrupt.value.reason == "corrupt_frame"
 
 
+def test_the_ack_flag_is_digested_and_unknown_flags_are_refused() -> None:
+    payload = random_payload(2)
+    ids = struct.pack("<2i", 5, 6)
+    plain = wire.frame_digest(0, 0, 0, 2, len(payload), b"t", ids, payload)
+    flagged = wire.frame_digest(0, 0, 0, 2, len(payload), b"t", ids, payload, flags=wire.ACK_ME)
+    assert plain != flagged  # a flag flipped in transit is a corrupt frame, not a lost acknowledgement
+    header = wire.pack_header(0, 0, 0, 2, len(payload), flagged, wire.ACK_ME)
+    assert wire.unpack_header(header).flags == wire.ACK_ME
+    assert check_data_frame(TINY_LAYOUT, wire.unpack_header(header), b"t", memoryview(bytearray(ids)),
+                            memoryview(payload)) == [5, 6]
+    odd = wire.pack_header(0, 0, 0, 2, len(payload), wire.frame_digest(0, 0, 0, 2, len(payload), b"t", ids, payload,
+                                                                       flags=4), 4)
+    with pytest.raises(TransferError) as unknown:
+        check_data_frame(TINY_LAYOUT, wire.unpack_header(odd), b"t", memoryview(bytearray(ids)), memoryview(payload))
+    assert unknown.value.reason == "invalid_frame" and "flags" in unknown.value.message
+
+
 def test_hello_checks_name_both_hashes() -> None:
     other = KVLayout("conformance", "bfloat16", 4, 3, 2, 8)
     refusal = wire.check_hello(TINY_LAYOUT, None, "tcp", wire.hello(other, None, "s", "tcp"))

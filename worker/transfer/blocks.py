@@ -35,6 +35,8 @@ def check_cache(layout: KVLayout, kv_cache: torch.Tensor) -> None:
 def ascending_runs(ids: Sequence[int] | torch.Tensor) -> list[tuple[int, int]]:
     """(first id, length) of each run of consecutive ids, in order: [3,4,5,9] -> [(3,3),(9,1)]."""
     values = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+    if values and values[-1] - values[0] == len(values) - 1 and values == list(range(values[0], values[-1] + 1)):
+        return [(values[0], len(values))]  # the common case, one run: C-level comparison, no Python loop
     runs: list[tuple[int, int]] = []
     for value in values:
         if runs and value == runs[-1][0] + runs[-1][1]:

@@ -230,17 +230,16 @@ class RdmaConnection(TcpConnection):
         self._verbs.connect(self._qp, self._psn, remote)
         self._remote_base, self._rkey = int(remote["addr"]), int(remote["rkey"])
 
-    def transmit(self, transfer: OutgoingTransfer, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def transmit(self, transfer: OutgoingTransfer, layer: int, src: list[int], dst: list[int]) -> None:
         for kind in (wire.K, wire.V):
             self._write(transfer, layer, kind, src, dst)
 
-    def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: torch.Tensor,
-               dst: torch.Tensor) -> None:
+    def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: list[int], dst: list[int]) -> None:
         unit = self.layout.bytes_per_block_layer_kv
-        src_list, dst_list = src.tolist(), dst.tolist()
+        src_list, dst_list = src, dst
         start = 0
         for _first, length in ascending_runs(dst):  # split further where the source is not contiguous
-            for s_first, s_length in ascending_runs(torch.tensor(src_list[start:start + length])):
+            for s_first, s_length in ascending_runs(src_list[start:start + length]):
                 d_first = dst_list[start]
                 wr_id = self._post_slot(transfer)
                 self._qp.post_send(write_request(

@@ -1,8 +1,9 @@
 """Decode side of the tcp transport: a zmq ROUTER socket that verifies frames into the cache.
 
 One I/O thread owns the socket. It answers handshakes, checks every data frame (header, sizes,
-checksum, reservation) before writing it, acknowledges each frame (the sender's backpressure
-credit), and enforces deadlines. A sender connection that closes mid-transfer is noticed
+checksum, reservation) before writing it, acknowledges the frames the sender flagged ACK_ME (its
+backpressure credit), and enforces deadlines. Every reply goes to the sender's control socket:
+its data sockets are only ever sent on. A sender connection that closes mid-transfer is noticed
 through a zmq socket monitor and fails that sender's transfers at once.
 """
 
@@ -270,20 +271,21 @@ class TcpReceiver:
             self._send(identity, self._failed_msg(transfer_id, TransferError(
                 INVALID_FRAME, "message before a successful handshake", transfer_id)))
             return
+        reply_to = self._control_identity(identity)
         with self._lock:
             reservation = self._reservations.get(transfer_id)
         if reservation is None:
-            self._reply_unknown(identity, transfer_id, finishing=kind == wire.FINISH)
+            self._reply_unknown(reply_to, transfer_id, finishing=kind == wire.FINISH)
             return
         if reservation.session not in (None, session_id):
-            self._send(identity, self._failed_msg(transfer_id, TransferError(
+            self._send(reply_to, self._failed_msg(transfer_id, TransferError(
                 INVALID_FRAME, "another sender already began this transfer", transfer_id)))
             return
         if kind == wire.BEGIN:
             dst = msg.get("dst_block_ids")
-            if dst != reservation.block_ids.tolist():
+            if dst != reservation.block_ids:
                 self._fail(reservation, TransferError(INVALID_FRAME, "the sender's destination blocks differ "
-                                                      "from the receiver's reservation", transfer_id), identity)
+                                                      "from the receiver's reservation", transfer_id), reply_to)
                 return
             reservation.claim(session_id)
         elif kind == wire.FINISH:
@@ -311,7 +313,7 @@ class TcpReceiver:
             reservation = self._reservations.get(transfer_id)
             unknown = reservation is None or session_id is None
             if reservation is not None and reservation.session not in (None, session_id):
-                self._send(identity, self._failed_msg(transfer_id, TransferError(
+                self._send(self._control_identity(identity), self._failed_msg(transfer_id, TransferError(
                     INVALID_FRAME, "another sender already began this transfer", transfer_id)))
                 return
             if reservation is not None and session_id is not None:
@@ -341,7 +343,8 @@ class TcpReceiver:
             log.warning("KV receiver rejected a frame, nothing written: %s", error)
             self._fail(reservation, error, None)
             return
-        self._send(identity, [wire.ACK, raw_id, _SEQ.pack(header.seq)])
+        if header.flags & wire.ACK_ME:
+            self._send(self._control_identity(identity), [wire.ACK, raw_id, _SEQ.pack(header.seq)])
         if reservation.complete:
             self._complete(reservation)
 
@@ -357,10 +360,10 @@ class TcpReceiver:
                 return
             self._remember(reservation.transfer_id, None)
         seconds = time.monotonic() - (reservation.begun_at or time.monotonic())
-        self.telemetry.transferred(self.transport, "recv", reservation.bytes_received, seconds)
         session = self._sessions.get(reservation.session or "")
-        if session is not None and reservation.finish_requested:
+        if session is not None and reservation.finish_requested:  # first: the sender is waiting for it
             self._send(session.control, wire.encode_control(wire.DONE, {"transfer_id": reservation.transfer_id}))
+        self.telemetry.transferred(self.transport, "recv", reservation.bytes_received, seconds)
         self._notify(reservation, None)
 
     def _fail(self, reservation: Reservation, error: TransferError, reply_to: bytes | None) -> None:
@@ -398,7 +401,7 @@ class TcpReceiver:
         for reservation in expired:
             self._fail(reservation, TransferError(
                 TIMEOUT, f"deadline passed with {reservation.missing} of "
-                f"{reservation.block_ids.numel() * 2 * self.layout.num_layers} (layer, K/V, block) pieces missing",
+                f"{len(reservation.block_ids) * 2 * self.layout.num_layers} (layer, K/V, block) pieces missing",
                 reservation.transfer_id), None)
 
     def _peer_closed(self, fd: int) -> None:

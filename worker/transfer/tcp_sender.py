@@ -1,15 +1,24 @@
 """Prefill side of the tcp transport: connections to receivers and outgoing transfers.
 
-A connection is several zmq DEALER sockets (parallel streams, one TCP connection each) owned
-by one I/O thread. Callers (the engine's per-layer callback) pack frames on their own thread:
-gather the blocks (zero-copy when they are one run of a CPU cache), checksum them, and queue
-them; the I/O thread hands them to zmq without copying. Backpressure: at most
-`max_inflight_bytes` of frames may be unacknowledged per connection, so a slow receiver
-slows the sender down instead of filling memory.
+A connection is a control socket and several data sockets (zmq DEALER, one TCP connection
+each). Callers (the engine's per-layer callback) do the data path on their own thread: gather
+the blocks (zero-copy when they are one run of a CPU cache), digest them, and hand the frame to
+zmq on the next data socket, without copying and without waking another Python thread (zmq
+sockets are not thread-safe: each data socket has a lock, held for the send). The receiver
+replies on the control socket only, and the caller that waits for a reply (finish(), or a
+full window) reads it itself, so that reply wakes it directly; callers that wait at the same
+time take turns. The connection's I/O thread only watches for a lost receiver, enforces the
+deadlines of transfers nobody is waiting on, and sends ABORTs.
+
+Backpressure: at most `max_inflight_bytes` of frames may be unacknowledged per connection, so a
+slow receiver slows the sender down instead of filling memory. Frames sent while the window is
+at most half full are not acknowledged one by one (their transfer's DONE or failure releases
+them); the others carry the ACK_ME flag, and the receiver acknowledges each once verified.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import struct
 import threading
@@ -51,20 +60,21 @@ class _State:
     done: bool = False
     error: TransferError | None = None
     next_seq: int = 0
-    unacked: dict[int, int] = field(default_factory=dict)  # seq -> bytes
+    inflight: int = 0  # bytes sent and not yet released by an ACK, DONE or failure
+    ack_me: dict[int, int] = field(default_factory=dict)  # seq -> bytes of the frames flagged ACK_ME
     bytes_sent: int = 0
 
 
 class OutgoingTransfer:
     """One request's KV on its way: send_layer() as layers are computed, then finish()."""
 
-    def __init__(self, conn: TcpConnection, transfer_id: str, dst_ids: torch.Tensor, deadline: float) -> None:
+    def __init__(self, conn: TcpConnection, transfer_id: str, dst_ids: list[int], deadline: float) -> None:
         self.transfer_id = transfer_id
         self.raw_id = transfer_id.encode()
         self._conn, self._dst_ids, self.deadline = conn, dst_ids, deadline
         # Per layer, 1 per destination position once sent (K and V travel together).
-        self._sent = [bytearray(dst_ids.numel()) for _ in range(conn.layout.num_layers)]
-        self._unsent = conn.layout.num_layers * dst_ids.numel()
+        self._sent = [bytearray(len(dst_ids)) for _ in range(conn.layout.num_layers)]
+        self._unsent = conn.layout.num_layers * len(dst_ids)
         self._state = _State()
         self._started = time.monotonic()
 
@@ -74,21 +84,21 @@ class OutgoingTransfer:
         while the connection's in-flight window is full. Raises TransferError if the transfer failed.
         """
         conn = self._conn
+        conn.poll_replies()
         self._raise_if_failed()
         if not isinstance(layer, int) or not 0 <= layer < conn.layout.num_layers:
             raise ValueError(f"layer {layer!r} out of range 0..{conn.layout.num_layers - 1}")
         src = validate_block_ids(src_block_ids, conn.local_blocks, f"send_layer({layer})")
-        if not isinstance(dst_start, int) or dst_start < 0 or dst_start + src.numel() > self._dst_ids.numel():
-            raise ValueError(f"send_layer({layer}): {src.numel()} blocks from position {dst_start} do not fit "
-                             f"the {self._dst_ids.numel()} destination blocks")
-        count = src.numel()
+        count = len(src)
+        if not isinstance(dst_start, int) or dst_start < 0 or dst_start + count > len(self._dst_ids):
+            raise ValueError(f"send_layer({layer}): {count} blocks from position {dst_start} do not fit "
+                             f"the {len(self._dst_ids)} destination blocks")
         if self._sent[layer].find(1, dst_start, dst_start + count) != -1:
             raise ValueError(f"send_layer({layer}): some of these destination blocks were already sent")
         per_frame = max(1, conn.frame_bytes // (2 * conn.layout.bytes_per_block_layer_kv))
-        for first in range(0, src.numel(), per_frame):
-            src_chunk = src[first:first + per_frame]
-            dst_chunk = self._dst_ids[dst_start + first:dst_start + first + src_chunk.numel()]
-            conn.transmit(self, layer, src_chunk, dst_chunk)
+        for first in range(0, count, per_frame):
+            conn.transmit(self, layer, src[first:first + per_frame],
+                          self._dst_ids[dst_start + first:dst_start + min(count, first + per_frame)])
         self._sent[layer][dst_start:dst_start + count] = b"\x01" * count
         self._unsent -= count
 
@@ -102,7 +112,7 @@ class OutgoingTransfer:
             self._conn.fail(self, error, tell_receiver=True)
             raise error
         extra = self._conn.prepare_finish(self)
-        self._conn.enqueue(self, wire.encode_control(wire.FINISH, {"transfer_id": self.transfer_id, **extra}))
+        self._conn.send(self, wire.encode_control(wire.FINISH, {"transfer_id": self.transfer_id, **extra}), 0)
         self._conn.wait(self, lambda s: s.done)
         seconds = time.monotonic() - self._started
         result = TransferResult(self.transfer_id, self._state.bytes_sent, seconds, self._state.next_seq)
@@ -130,6 +140,15 @@ class OutgoingTransfer:
             self.abort(f"the sender raised {type(exc).__name__}")
 
 
+class _Stream:
+    """A data socket. Callers send on it from their own threads, one at a time: zmq sockets are not
+    thread-safe, and the lock both serialises the calls and orders memory between the threads."""
+
+    def __init__(self, sock: zmq.Socket[bytes]) -> None:
+        self.sock = sock
+        self.lock = threading.Lock()
+
+
 class TcpConnection:
     """Streams to one receiver, after a successful handshake. Made by TcpSender.connect()."""
 
@@ -141,45 +160,55 @@ class TcpConnection:
         self.local_blocks = sender.kv_cache.shape[2]
         self.frame_bytes, self.max_inflight_bytes = sender.frame_bytes, sender.max_inflight_bytes
         self.cv = threading.Condition()
-        self._inflight = 0
-        self._outbox: deque[tuple[OutgoingTransfer | None, Sequence[bytes | memoryview], bool]] = deque()
+        self._inflight = 0  # bytes of frames not yet released, all transfers
+        self._ack_me = 0  # the part of them flagged ACK_ME (released frame by frame)
+        self._outbox: deque[list[bytes]] = deque()  # ABORTs for the I/O thread to send
         self._transfers: dict[str, OutgoingTransfer] = {}
         self._broken: TransferError | None = None
         self._closing = False
-        self._next_stream = 0
-        self._wakeup = Wakeup()
+        self._round_robin = itertools.count()
+        self._wakeup = Wakeup()  # wakes the I/O thread: ABORTs to send, an earlier deadline, close()
+        self._io_wakes_at = 0.0  # the latest the I/O thread looks at deadlines next (monotonic)
+        # The control socket is read by the callers that wait for a reply, one at a time (whoever
+        # holds _reader_lock); _reader_wakeup breaks its poll when a transfer fails elsewhere.
+        self._reader_lock = threading.Lock()
+        self._reader_wakeup = Wakeup()
         session = uuid.uuid4().hex
-        self._sockets: list[zmq.Socket[bytes]] = []
         self._monitors: list[zmq.Socket[bytes]] = []
-        for index in range(sender.streams):
-            sock = sender.context.socket(zmq.DEALER)
-            sock.setsockopt(zmq.IDENTITY, f"{session}/{index}".encode())
-            for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
-                sock.setsockopt(option, value)
-            self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
-            sock.connect(address)
-            self._sockets.append(sock)
+        self._control = self._socket(sender, f"{session}/control")
+        self._streams = [_Stream(self._socket(sender, f"{session}/{index}")) for index in range(sender.streams)]
         try:
             self.remote_blocks = self._handshake(sender, session)
         except BaseException:
             self._close_sockets()
             raise
+        self._reader_poller = zmq.Poller()
+        self._reader_poller.register(self._control, zmq.POLLIN)
+        self._reader_poller.register(self._reader_wakeup.fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{address}", daemon=True)
         self._thread.start()
+
+    def _socket(self, sender: TcpSender, identity: str) -> zmq.Socket[bytes]:
+        sock = sender.context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, identity.encode())
+        for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+            sock.setsockopt(option, value)
+        self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        sock.connect(self.address)
+        return sock
 
     @property
     def alive(self) -> bool:
         return self._broken is None and not self._closing
 
     def _handshake(self, sender: TcpSender, session: str) -> int:
-        first = self._sockets[0]
-        first.send_multipart(wire.encode_control(wire.HELLO, wire.hello(
+        self._control.send_multipart(wire.encode_control(wire.HELLO, wire.hello(
             self.layout, sender.layout_tag, session, self.transport, self._hello_extra())))
-        if not first.poll(int(sender.connect_timeout_s * 1000)):
+        if not self._control.poll(int(sender.connect_timeout_s * 1000)):
             self.telemetry.failed(self.transport, CONNECT_FAILED)
             raise TransferError(CONNECT_FAILED, f"no KV receiver answered at {self.address} within "
                                 f"{sender.connect_timeout_s:g}s")
-        kind, body = first.recv_multipart()
+        kind, body = self._control.recv_multipart()
         reply = wire.decode_control(body)
         if kind == wire.REFUSE:
             error = TransferError.from_wire(reply)
@@ -189,8 +218,8 @@ class TcpConnection:
         if kind != wire.WELCOME or not isinstance(reply.get("num_blocks"), int):
             raise TransferError(CONNECT_FAILED, f"unexpected handshake reply from {self.address}")
         self._on_welcome(reply)
-        for index, sock in enumerate(self._sockets[1:], start=1):
-            sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
+        for index, stream in enumerate(self._streams):
+            stream.sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
         return int(reply["num_blocks"])
 
     # --- transport-specific parts (rdma.py overrides these) -------------------------------
@@ -201,23 +230,23 @@ class TcpConnection:
     def _on_welcome(self, reply: dict[str, Any]) -> None:
         pass
 
-    def transmit(self, transfer: OutgoingTransfer, layer: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def transmit(self, transfer: OutgoingTransfer, layer: int, src: list[int], dst: list[int]) -> None:
         """Send one frame: K and V of kv_cache[layer, :, src] into the receiver's blocks dst."""
-        count = src.numel()
+        count = len(src)
         nbytes = 2 * count * self.layout.bytes_per_block_layer_kv
-        seq = self.reserve_frame(transfer, nbytes)
-        src_list = src.tolist()
+        seq, flags = self.reserve_frame(transfer, nbytes)
         try:
-            k_part = read_blocks(self.kv_cache, layer, wire.K, src_list)
-            v_part = read_blocks(self.kv_cache, layer, wire.V, src_list)
+            k_part = read_blocks(self.kv_cache, layer, wire.K, src)
+            v_part = read_blocks(self.kv_cache, layer, wire.V, src)
         except Exception as exc:
             self.fail(transfer, TransferError(ABORTED, f"could not read source blocks: {exc}",
                                               transfer.transfer_id), tell_receiver=True)
             raise
-        ids = struct.pack(f"<{count}i", *dst.tolist())
-        digest = wire.frame_digest(seq, layer, wire.KV, count, nbytes, transfer.raw_id, ids, k_part, v_part)
-        header = wire.pack_header(seq, layer, wire.KV, count, nbytes, digest)
-        self.enqueue(transfer, [wire.DATA, header, transfer.raw_id, ids, k_part, v_part], data=True)
+        ids = struct.pack(f"<{count}i", *dst)
+        digest = wire.frame_digest(seq, layer, wire.KV, count, nbytes, transfer.raw_id, ids, k_part, v_part,
+                                   flags=flags)
+        header = wire.pack_header(seq, layer, wire.KV, count, nbytes, digest, flags)
+        self.send(transfer, [wire.DATA, header, transfer.raw_id, ids, k_part, v_part])
 
     def prepare_finish(self, transfer: OutgoingTransfer) -> dict[str, Any]:
         """Extra FINISH fields; tcp frames were each verified on arrival, so none."""
@@ -237,52 +266,107 @@ class TcpConnection:
             if transfer_id in self._transfers:
                 raise ValueError(f"transfer {transfer_id!r} is already in progress on this connection")
             self._transfers[transfer_id] = transfer
+            if deadline < self._io_wakes_at:
+                self._wakeup.set()  # the I/O thread enforces it even while nobody waits on this transfer
         # Not waited for: a refusal (say, blocks that differ from the reservation) fails the
         # transfer asynchronously and surfaces at the next send_layer() or finish().
-        self.enqueue(transfer, wire.encode_control(wire.BEGIN, {"transfer_id": transfer_id,
-                                                                "dst_block_ids": dst.tolist()}))
+        self.send(transfer, wire.encode_control(wire.BEGIN, {"transfer_id": transfer_id, "dst_block_ids": dst}), 0)
         return transfer
 
-    def reserve_frame(self, transfer: OutgoingTransfer, nbytes: int) -> int:
-        """Wait for room in the in-flight window (backpressure); return the frame's sequence number."""
-        with self.cv:
-            state = transfer._state
-            while state.error is None and self._inflight and self._inflight + nbytes > self.max_inflight_bytes:
-                remaining = transfer.deadline - time.monotonic()
-                if remaining <= 0:
-                    self._fail_locked(transfer, TransferError(TIMEOUT, "deadline passed while waiting for the "
-                                                              "receiver to drain", transfer.transfer_id), True)
-                    break
-                self.cv.wait(min(remaining, 0.5))
-            if state.error is not None:
-                raise state.error
-            seq = state.next_seq
-            state.next_seq += 1
-            state.unacked[seq] = nbytes
-            state.bytes_sent += nbytes
-            self._inflight += nbytes
-            return seq
+    def reserve_frame(self, transfer: OutgoingTransfer, nbytes: int) -> tuple[int, int]:
+        """Wait for room in the in-flight window (backpressure); return the frame's sequence number
+        and header flags (ACK_ME once the window is more than half full)."""
+        state = transfer._state
 
-    def enqueue(self, transfer: OutgoingTransfer | None, parts: Sequence[bytes | memoryview], data: bool = False) -> None:
-        with self.cv:
-            if transfer is not None and transfer._state.error is not None:
-                raise transfer._state.error
-            self._outbox.append((transfer, parts, data))
-        self._wakeup.set()
+        def room() -> bool:
+            # Only ACK_ME bytes come back by themselves; the rest (at most half the window) wait
+            # for their transfers' DONE, which may need this very caller to go on: never wait for them.
+            return not self._ack_me or self._inflight + nbytes <= self.max_inflight_bytes
 
-    def wait(self, transfer: OutgoingTransfer, predicate: Callable[[_State], bool]) -> None:
-        """Block until predicate(state) holds or the transfer fails (raises); never past the deadline."""
-        with self.cv:
-            state = transfer._state
-            while state.error is None and not predicate(state):
+        while True:
+            with self.cv:
+                if state.error is not None:
+                    raise state.error
+                if room():
+                    seq = state.next_seq
+                    state.next_seq += 1
+                    state.bytes_sent += nbytes
+                    state.inflight += nbytes
+                    self._inflight += nbytes
+                    if self._inflight <= self.max_inflight_bytes // 2:
+                        return seq, 0
+                    state.ack_me[seq] = nbytes
+                    self._ack_me += nbytes
+                    return seq, wire.ACK_ME
+            self.wait(transfer, lambda _state: room(), "waiting for the receiver to drain")
+
+    def send(self, transfer: OutgoingTransfer, parts: Sequence[bytes | memoryview], stream: int | None = None) -> None:
+        """Hand a message to zmq on a data socket, from the caller's thread (round-robin by default)."""
+        chosen = self._streams[(next(self._round_robin) if stream is None else stream) % len(self._streams)]
+        while True:
+            with chosen.lock:
+                if transfer._state.error is not None:
+                    raise transfer._state.error
+                if self._closing:
+                    raise TransferError(CLOSED, "the connection is closed", transfer.transfer_id)
+                try:
+                    chosen.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                    return
+                except zmq.Again:  # no connection to the receiver right now (it is gone or reconnecting)
+                    pass
+            if time.monotonic() >= transfer.deadline:
+                self.fail(transfer, TransferError(TIMEOUT, "deadline passed while the receiver was unreachable",
+                                                  transfer.transfer_id), tell_receiver=True)
+            time.sleep(0.001)
+
+    def wait(self, transfer: OutgoingTransfer, predicate: Callable[[_State], bool],
+             what: str = "before the receiver confirmed") -> None:
+        """Block until predicate(state) holds or the transfer fails (raises); never past the deadline.
+
+        A waiting caller reads the control socket itself (one at a time: the others wait for it to
+        hand them their replies), so the reply it waits for wakes it directly.
+        """
+        state = transfer._state
+        while True:
+            with self.cv:
                 remaining = transfer.deadline - time.monotonic()
-                if remaining <= 0:
-                    self._fail_locked(transfer, TransferError(TIMEOUT, "deadline passed before the receiver "
-                                                              "confirmed", transfer.transfer_id), True)
-                    break
-                self.cv.wait(min(remaining, 0.5))
-            if state.error is not None:
-                raise state.error
+                if state.error is None and not predicate(state) and remaining <= 0:
+                    self._fail_locked(transfer, TransferError(TIMEOUT, f"deadline passed {what}",
+                                                              transfer.transfer_id), True)
+                if state.error is not None:
+                    raise state.error
+                if predicate(state):
+                    return
+            if self._reader_lock.acquire(blocking=False):
+                try:
+                    self._read_replies(max(1, min(100, int(remaining * 1000) + 1)))
+                finally:
+                    self._reader_lock.release()
+                with self.cv:
+                    self.cv.notify_all()  # another waiter may take over the reading
+                continue
+            with self.cv:  # another caller reads; it notifies on every reply
+                if state.error is None and not predicate(state):
+                    self.cv.wait(min(remaining, 0.005))
+
+    def poll_replies(self) -> None:
+        """Handle replies that already arrived (a failure shows at the next send_layer()), without waiting."""
+        if self._reader_lock.acquire(blocking=False):
+            try:
+                if not self._closing and int(self._control.get(zmq.EVENTS)) & zmq.POLLIN:
+                    self._drain()
+            finally:
+                self._reader_lock.release()
+
+    def _read_replies(self, timeout_ms: int) -> None:
+        """Wait up to timeout_ms for replies on the control socket and handle them (holding _reader_lock)."""
+        if self._closing:
+            return
+        events = dict(self._reader_poller.poll(timeout_ms))
+        if self._reader_wakeup.fd in events:
+            self._reader_wakeup.clear()
+        if self._control in events:
+            self._drain()
 
     def fail(self, transfer: OutgoingTransfer, error: TransferError, tell_receiver: bool) -> None:
         with self.cv:
@@ -297,14 +381,22 @@ class TcpConnection:
         log.warning("KV transfer %s failed on the sender: %s", transfer.transfer_id, error)
         self.telemetry.failed(self.transport, error.reason)
         state.error = error
-        self._inflight -= sum(state.unacked.values())
-        state.unacked.clear()
-        self._transfers.pop(transfer.transfer_id, None)
+        self._release_locked(transfer)
         if tell_receiver and self._broken is None:
-            self._outbox.append((None, wire.encode_control(wire.ABORT, {
-                "transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}), False))
+            self._outbox.append(wire.encode_control(wire.ABORT, {
+                "transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}))
             self._wakeup.set()
+        self._reader_wakeup.set()  # a caller waiting in the control socket's poll sees it at once
         self.cv.notify_all()
+
+    def _release_locked(self, transfer: OutgoingTransfer) -> None:
+        """The transfer is over: its frames no longer count against the window."""
+        state = transfer._state
+        self._inflight -= state.inflight
+        self._ack_me -= sum(state.ack_me.values())
+        state.inflight = 0
+        state.ack_me.clear()
+        self._transfers.pop(transfer.transfer_id, None)
 
     def close(self) -> None:
         with self.cv:
@@ -315,19 +407,25 @@ class TcpConnection:
                                   True)
             self._closing = True
         self._wakeup.set()
-        self._thread.join(timeout=10)
+        self._thread.join(timeout=10)  # it sends the ABORTs above first
         self._close_sockets()
 
     def _close_sockets(self) -> None:
-        for sock in (*self._monitors, *self._sockets):
+        for stream in self._streams:
+            with stream.lock:  # a caller may be in the middle of a send
+                stream.sock.close()
+        with self._reader_lock:  # a waiting caller leaves its poll at once (its transfer failed)
+            self._control.close()
+        for sock in self._monitors:
             sock.close()
         self._wakeup.close()
+        self._reader_wakeup.close()
 
-    # --- I/O thread ------------------------------------------------------------------------
+    # --- I/O thread: lost receiver, deadlines, ABORTs ----------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        for sock in (*self._sockets, *self._monitors):
+        for sock in self._monitors:
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wakeup.fd, zmq.POLLIN)
         while True:
@@ -335,48 +433,41 @@ class TcpConnection:
             with self.cv:
                 if self._closing:
                     return
-            events = dict(poller.poll(10 if backlog else self._poll_timeout_ms()))
+                timeout_ms = 10 if backlog else self._poll_timeout_ms()
+                self._io_wakes_at = time.monotonic() + timeout_ms / 1000
+            events = dict(poller.poll(timeout_ms))
             if self._wakeup.fd in events:
                 self._wakeup.clear()
-            for sock in self._sockets:
-                if sock in events:
-                    self._drain(sock)
             if any(mon in events and disconnected_fds(mon) for mon in self._monitors):
                 self._peer_lost()
             self._expire()
 
     def _poll_timeout_ms(self) -> int:
-        with self.cv:
-            deadlines = [t.deadline for t in self._transfers.values()]
+        deadlines = [t.deadline for t in self._transfers.values()]  # (under self.cv)
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
 
     def _flush(self) -> bool:
-        """Hand queued messages to zmq; True if some had to wait (no connected peer right now)."""
+        """Send queued ABORTs on the first data socket; True if some had to wait (no connected peer)."""
+        stream = self._streams[0]
         while True:
             with self.cv:
                 if not self._outbox:
                     return False
-                transfer, parts, data = self._outbox.popleft()
-                if transfer is not None and transfer._state.error is not None:
-                    continue  # the transfer failed: its queued frames are dropped
-            if data:
-                sock = self._sockets[self._next_stream % len(self._sockets)]
-                self._next_stream += 1
-            else:
-                sock = self._sockets[0]
+                parts = self._outbox.popleft()
             try:
-                sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+                with stream.lock:
+                    stream.sock.send_multipart(parts, zmq.NOBLOCK)
             except zmq.Again:
                 with self.cv:
-                    self._outbox.appendleft((transfer, parts, data))
+                    self._outbox.appendleft(parts)
                 return True
 
-    def _drain(self, sock: zmq.Socket[bytes]) -> None:
+    def _drain(self) -> None:
         while True:
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
+                parts = self._control.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
@@ -390,7 +481,11 @@ class TcpConnection:
             with self.cv:
                 transfer = self._transfers.get(parts[1].decode(errors="replace"))
                 if transfer is not None:
-                    self._inflight -= transfer._state.unacked.pop(_SEQ.unpack(parts[2])[0], 0)
+                    state = transfer._state
+                    nbytes = state.ack_me.pop(_SEQ.unpack(parts[2])[0], 0)
+                    state.inflight -= nbytes
+                    self._inflight -= nbytes
+                    self._ack_me -= nbytes
                     self.cv.notify_all()
             return
         if len(parts) != 2:
@@ -401,12 +496,9 @@ class TcpConnection:
             transfer = self._transfers.get(str(msg.get("transfer_id")))
             if transfer is None:
                 return  # already finished or failed here
-            state = transfer._state
             if kind == wire.DONE:
-                state.done = True
-                self._inflight -= sum(state.unacked.values())
-                state.unacked.clear()
-                self._transfers.pop(transfer.transfer_id, None)
+                transfer._state.done = True
+                self._release_locked(transfer)
             elif kind == wire.FAILED:
                 self._fail_locked(transfer, TransferError.from_wire(msg, transfer.transfer_id), False)
             self.cv.notify_all()

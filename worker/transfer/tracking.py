@@ -23,25 +23,27 @@ from .errors import CORRUPT_FRAME, INVALID_FRAME, TransferError
 DoneCallback = Callable[[str, "TransferError | None"], None]
 
 
-def validate_block_ids(block_ids: list[int], num_blocks: int, what: str) -> torch.Tensor:
-    """Check caller-supplied block ids (ints, in range, no repeats) and return them as a tensor."""
-    # Plain Python: called per transfer and per layer, on lists of a few to a few thousand ids.
+def validate_block_ids(block_ids: Sequence[int], num_blocks: int, what: str) -> list[int]:
+    """Check caller-supplied block ids (ints, in range, no repeats) and return a copy as a list."""
+    # Plain Python, C-level builtins where possible: called per transfer and per layer, on lists
+    # of a few to a few thousand ids, where a torch tensor's per-call overhead cost more than the work.
     if not block_ids:
         raise ValueError(f"{what}: no block ids given")
-    if not all(isinstance(b, int) and not isinstance(b, bool) for b in block_ids):
+    ids = list(block_ids)
+    if set(map(type, ids)) != {int} and not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
         raise ValueError(f"{what}: block ids must be integers")
-    low, high = min(block_ids), max(block_ids)
+    low, high = min(ids), max(ids)
     if low < 0 or high >= num_blocks:
         raise ValueError(f"{what}: block id out of range 0..{num_blocks - 1} (got {low}..{high})")
-    if len(set(block_ids)) != len(block_ids):
+    if len(set(ids)) != len(ids):
         raise ValueError(f"{what}: block ids repeat")
-    return torch.tensor(block_ids, dtype=torch.int64)
+    return ids
 
 
 @dataclass
 class Reservation:
     transfer_id: str
-    block_ids: torch.Tensor  # int64, in the order the sender was told
+    block_ids: list[int]  # in the order the sender was told
     num_layers: int
     deadline: float  # time.monotonic()
     on_done: DoneCallback
@@ -56,7 +58,9 @@ class Reservation:
     _remaining: int = field(init=False)
 
     def __post_init__(self) -> None:
-        ids = self.block_ids.tolist()
+        if isinstance(self.block_ids, torch.Tensor):
+            self.block_ids = self.block_ids.tolist()
+        ids = self.block_ids
         self._position = {block: position for position, block in enumerate(ids)}
         self._received = [bytearray(len(ids)) for _ in range(2 * self.num_layers)]
         self._remaining = 2 * self.num_layers * len(ids)
@@ -92,25 +96,32 @@ class Reservation:
             raise TransferError(INVALID_FRAME, f"kind {kind} is not K (0), V (1) or KV (2)", self.transfer_id)
         ids = dst_ids.tolist() if isinstance(dst_ids, torch.Tensor) else dst_ids
         try:
-            positions = [self._position[block] for block in ids]
+            positions = list(map(self._position.__getitem__, ids))
         except KeyError:
             raise TransferError(INVALID_FRAME, "frame names blocks outside the reservation",
                                 self.transfer_id) from None
         if len(set(positions)) != len(positions):
             raise TransferError(INVALID_FRAME, "frame repeats a block", self.transfer_id)
+        low, high = min(positions), max(positions)
+        contiguous = high - low == len(positions) - 1  # distinct, so exactly low..high: slice operations
         for k in _kinds(kind):
             flags = self._received[2 * layer + k]
-            if any(flags[p] for p in positions):
+            seen = flags.find(1, low, high + 1) != -1 if contiguous else any(map(flags.__getitem__, positions))
+            if seen:
                 raise TransferError(INVALID_FRAME, f"layer {layer}: a block arrived twice", self.transfer_id)
         return positions
 
     def mark(self, layer: int, kind: int, positions: Sequence[int], nbytes: int) -> None:
-        """Record verified pieces (positions from positions(), which checked they are new)."""
+        """Record verified pieces (positions from positions(), which checked they are new and distinct)."""
         kinds = _kinds(kind)
+        low, high = min(positions), max(positions)
         for k in kinds:
             flags = self._received[2 * layer + k]
-            for p in positions:
-                flags[p] = 1
+            if high - low == len(positions) - 1:  # distinct, so exactly low..high: one slice
+                flags[low:high + 1] = b"\x01" * len(positions)
+            else:
+                for p in positions:
+                    flags[p] = 1
         self._remaining -= len(positions) * len(kinds)
         self.bytes_received += nbytes
 
@@ -126,6 +137,8 @@ def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: by
     Raises TransferError(INVALID_FRAME) for sizes that do not fit, CORRUPT_FRAME for a bad checksum.
     """
     tid = transfer_id.decode(errors="replace")
+    if header.flags & ~wire.ACK_ME:
+        raise TransferError(INVALID_FRAME, f"unknown frame flags {header.flags:#x}", tid)
     if header.block_count <= 0:
         raise TransferError(INVALID_FRAME, "frame carries no blocks", tid)
     if len(ids_part) != 4 * header.block_count:
@@ -138,7 +151,7 @@ def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: by
                             f"per K/V part for this layout; header says {header.byte_count} in all, parts have "
                             f"{sizes}", tid)
     digest = wire.frame_digest(header.seq, header.layer, header.kind, header.block_count, header.byte_count,
-                               transfer_id, ids_part, *payloads)
+                               transfer_id, ids_part, *payloads, flags=header.flags)
     if digest != header.digest:
         raise TransferError(CORRUPT_FRAME, f"checksum mismatch on frame {header.seq} (layer {header.layer}, "
                             f"{('K', 'V', 'K+V')[header.kind] if header.kind in (0, 1, 2) else '?'}): the frame was damaged "
