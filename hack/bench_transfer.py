@@ -9,7 +9,7 @@ process in both cases, so the two sides do not share a GIL. It also reports the 
 processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
-        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default ...]   # several: an A/B in one run
+        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1 ...]   # several: an A/B in one run
         [--rounds 4]   # raw and the variants take turns this many times per size (more: fairer under load)
 """
 
@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
@@ -65,6 +66,7 @@ class Variant:
     streams: int
     frame_bytes: int
     keep_freed_buffers: bool = True  # the transport's allocator setting (allocator.py); the receiver's is what counts
+    secure: bool = False  # kvTransfer.secure: CURVE on the zmq sockets (security.py)
 
 
 def parse_size(text: str) -> int:
@@ -135,10 +137,10 @@ class RawClient:
 
 # --- tandem tcp transport --------------------------------------------------------------------
 
-def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool) -> None:
+def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool, keys: KVKeys | None = None) -> None:
     cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                         LAYOUT.head_dim, dtype=torch.float16)
-    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers)
+    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys)
     conn.send(receiver.address)
     done = threading.Event()
     errors: list[str] = []
@@ -168,15 +170,16 @@ class TcpClient:
     def __init__(self, max_size: int, variant: Variant) -> None:
         num_blocks = max_size // UNIT
         self.pipe, child = mp.Pipe()
+        keys = KVKeys.generate() if variant.secure else None
         self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks,
-                                                                             variant.keep_freed_buffers), daemon=True)
+                                                                             variant.keep_freed_buffers, keys), daemon=True)
         self.proc.start()
         address = self.pipe.recv()
         cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                             LAYOUT.head_dim).to(torch.float16)
         # The allocator setting is per process: this one's (the senders') is whatever the first variant chose.
         self.sender = TcpSender(LAYOUT, cache, streams=variant.streams, frame_bytes=variant.frame_bytes,
-                                keep_freed_buffers=variant.keep_freed_buffers)
+                                keep_freed_buffers=variant.keep_freed_buffers, keys=keys)
         self.conn = self.sender.connect(address)
         self.counter = 0
 
@@ -248,7 +251,7 @@ def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
     """`LABEL[:streams=N,frame=SIZE,alloc=keep|default]`, e.g. `f1m:frame=1M`; unset keys take
     --streams / --frame-bytes, and alloc=keep (the transport's allocator setting, allocator.py)."""
     label, _, options = text.partition(":")
-    keep = True
+    keep, secure = True, False
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
         if key == "streams":
@@ -257,12 +260,14 @@ def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
             frame_bytes = parse_size(value)
         elif key == "alloc" and value in ("keep", "default"):
             keep = value == "keep"
+        elif key == "secure" and value in ("0", "1"):
+            secure = value == "1"
         else:
             raise ValueError(f"unknown variant option {option!r} in {text!r} (streams=N, frame=SIZE, "
-                             "alloc=keep|default)")
+                             "alloc=keep|default, secure=0|1)")
     if not label or streams <= 0 or frame_bytes <= 0:
         raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default]")
-    return Variant(label, streams, frame_bytes, keep)
+    return Variant(label, streams, frame_bytes, keep, secure)
 
 
 def main() -> int:

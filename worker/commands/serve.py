@@ -52,6 +52,9 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="Decode workers (in monolithic/chunked mode: the number of both-role workers).")
 @click.option("--mode", type=click.Choice(MODES), default="disaggregated", show_default=True)
 @click.option("--transport", type=click.Choice(["auto", "tcp", "rdma"]), default="auto", show_default=True)
+@click.option("--secure-kv", is_flag=True,
+              help="Encrypt and authenticate KV transfers (CURVE; a fresh keypair in the log folder). "
+                   "About 2.5-3x slower KV transfer on tcp: see docs/transfer.md.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Router address (workers stay on 127.0.0.1).")
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
@@ -70,7 +73,7 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="Per-request deadline enforced by the router.")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
-            transport: str, host: str, port: int, dtype: str, device: str, block_size: int, max_model_len: int | None,
+            transport: str, secure_kv: bool, host: str, port: int, dtype: str, device: str, block_size: int, max_model_len: int | None,
             kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, prefill_fault: str | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
@@ -79,13 +82,14 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
     if mode != "disaggregated" and prefill_workers:
         console.print(f"--mode {mode}: no prefill pool; running {decode_workers} both-role worker(s)")
     log_dir = log_dir or cache_dir() / "logs" / f"serve-{port}"
+    kv_keys = _fresh_kv_keys(log_dir / "kv-keys") if secure_kv and mode == "disaggregated" else None
     try:
         spec = StackSpec(model_dir=model_dir, model_name=model_name or default_name, mode=mode,
                          prefill_workers=prefill_workers if mode == "disaggregated" else 0,
                          decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype, device=device,
                          block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                          max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault,
-                         request_timeout=request_timeout)
+                         request_timeout=request_timeout, kv_keys=kv_keys)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):
@@ -120,6 +124,14 @@ class _StopFlag:
 
     def _handle(self, sig: int, _frame: FrameType | None) -> None:
         self.signal = sig
+
+
+def _fresh_kv_keys(folder: Path) -> Path:
+    """A new keypair per run: only this run's workers can reach each other's KV ports."""
+    from tandem.worker.kv.keys import KVKeys
+
+    KVKeys.generate().save(folder)
+    return folder
 
 
 def _port_free(host: str, port: int) -> bool:

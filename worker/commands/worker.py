@@ -24,6 +24,9 @@ from tandem.worker.server.config import WorkerConfig
 @click.option("--port", type=int, default=8000, show_default=True)
 @click.option("--kv-port", type=int, default=5555, show_default=True, help="KV transfer port (decode role listens).")
 @click.option("--kv-host", default=None, help="Address peers use for --kv-port (default: --host, or this host's IP).")
+@click.option("--kv-keys", type=click.Path(file_okay=False, path_type=Path), envvar="TANDEM_KV_KEYS", default=None,
+              help="Folder with the model's KV transfer keys (`tandem kv-keys`): encrypt and authenticate KV "
+                   "transfers. Every worker of the model needs the same keys. [env: TANDEM_KV_KEYS]")
 @click.option("--tensor-parallel", type=int, default=1, show_default=True)
 @click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
 @click.option("--pool", default="local", show_default=True, help="Pool label on metrics (prefill|decode|local).")
@@ -40,7 +43,8 @@ from tandem.worker.server.config import WorkerConfig
               help="Test hook: misbehave on purpose.")
 @click.option("--log-level", default="info", show_default=True)
 def command(role: str, model_dir: Path, model_name: str | None, dtype: str, device: str, block_size: int,
-            transport: str, host: str, port: int, kv_port: int, kv_host: str | None, tensor_parallel: int,
+            transport: str, host: str, port: int, kv_port: int, kv_host: str | None, kv_keys: Path | None,
+            tensor_parallel: int,
             max_model_len: int | None, pool: str, layout_hash: str | None, kv_cache_bytes: int | None,
             max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool, prefix_caching: bool,
             drain_timeout: float, fault: str | None, log_level: str) -> None:
@@ -53,7 +57,7 @@ def command(role: str, model_dir: Path, model_name: str | None, dtype: str, devi
             tensor_parallel=tensor_parallel, max_model_len=max_model_len, layout_hash=layout_hash or None,
             kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked_prefill, enable_prefix_caching=prefix_caching,
-            drain_timeout=drain_timeout, fault=fault)
+            drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     from tandem.worker.server.run import run_worker

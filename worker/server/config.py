@@ -34,6 +34,7 @@ class WorkerConfig:
     drain_timeout: float = 60.0
     kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
     fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
+    kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -46,6 +47,13 @@ class WorkerConfig:
             raise ValueError("tensor parallelism > 1 is not supported by this engine yet (--tensor-parallel 1)")
         if self.fault not in (None, "drop-kv"):
             raise ValueError(f"unknown fault {self.fault!r}")
+        if self.kv_keys is not None:
+            from tandem.worker.kv.keys import KVKeys, KVKeysError
+
+            try:
+                KVKeys.load(self.kv_keys)  # fail at start, not at the first transfer
+            except KVKeysError as exc:
+                raise ValueError(f"--kv-keys: {exc}") from None
         for name in ("port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")

@@ -71,6 +71,7 @@ class StackSpec:
     log_dir: Path = Path(".")
     prefill_fault: str | None = None  # test hook passed to prefill workers
     request_timeout: float = 600.0  # the router's per-request deadline
+    kv_keys: Path | None = None  # secure KV transfer: the keypair folder every worker gets (--kv-keys)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -113,6 +114,8 @@ class LocalStack:
             argv += ["--kv-cache-bytes", str(s.kv_cache_bytes)]
         if s.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if s.kv_keys is not None:
+            argv += ["--kv-keys", str(s.kv_keys)]
         return Proc(name, role, f"http://127.0.0.1:{port}", argv, s.log_dir / f"{name}.log", kv_port)
 
     def _plan(self) -> None:

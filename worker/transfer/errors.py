@@ -10,6 +10,7 @@ from __future__ import annotations
 LAYOUT_MISMATCH = "layout_mismatch"  # peers disagree on the KV layout hash or layout tag
 VERSION_MISMATCH = "version_mismatch"  # peers speak different wire-protocol versions
 CONNECT_FAILED = "connect_failed"  # no answer to the handshake in time
+AUTH_FAILED = "auth_failed"  # the security handshake failed: peers hold different KV keys (or one has none)
 PEER_LOST = "peer_lost"  # the other side closed or died mid-transfer
 TIMEOUT = "timeout"  # the transfer's deadline passed
 CORRUPT_FRAME = "corrupt_frame"  # a frame failed its checksum
@@ -22,7 +23,7 @@ CLOSED = "closed"  # the sender or receiver was closed
 UNAVAILABLE = "unavailable"  # the transport cannot run here (no pyverbs, no RDMA device)
 
 REASONS = frozenset({
-    LAYOUT_MISMATCH, VERSION_MISMATCH, CONNECT_FAILED, PEER_LOST, TIMEOUT, CORRUPT_FRAME,
+    LAYOUT_MISMATCH, VERSION_MISMATCH, CONNECT_FAILED, AUTH_FAILED, PEER_LOST, TIMEOUT, CORRUPT_FRAME,
     INVALID_FRAME, UNKNOWN_TRANSFER, INCOMPLETE, ABORTED, ABANDONED, CLOSED, UNAVAILABLE,
 })
 

@@ -40,6 +40,7 @@ from . import wire
 from .blocks import ascending_runs, read_blocks
 from .errors import CORRUPT_FRAME, INCOMPLETE, PEER_LOST, TIMEOUT, UNAVAILABLE, TransferError
 from .rdma_probe import RdmaProbe, load_pyverbs, probe
+from .security import KVKeys
 from .tcp_receiver import TcpReceiver
 from .tcp_sender import OutgoingTransfer, TcpConnection, TcpSender
 from .telemetry import TransferTelemetry
@@ -150,10 +151,12 @@ class RdmaReceiver(TcpReceiver):
     transport = "rdma"
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
-                 layout_tag: str | None = None, telemetry: TransferTelemetry | None = None) -> None:
+                 layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
+                 keys: KVKeys | None = None) -> None:
         self._verbs = _Verbs(kv_cache, remote_write=True)
         self._qps: dict[str, tuple[Any, Any]] = {}
-        super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry)
+        super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry,
+                         keys=keys)
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         remote = peer.get("rdma")
@@ -301,10 +304,10 @@ class RdmaSender(TcpSender):
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
                  connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None,
-                 **_tcp_only: Any) -> None:
+                 keys: KVKeys | None = None, **_tcp_only: Any) -> None:
         self.verbs = _Verbs(kv_cache, remote_write=False)
         super().__init__(layout, kv_cache, layout_tag=layout_tag, streams=1, connect_timeout_s=connect_timeout_s,
-                         telemetry=telemetry)
+                         telemetry=telemetry, keys=keys)
 
     def _open(self, address: str) -> TcpConnection:
         return RdmaConnection(self, address)

@@ -25,6 +25,7 @@ from . import allocator, wire
 from .blocks import check_cache, write_blocks
 from .errors import (
     ABORTED,
+    AUTH_FAILED,
     CLOSED,
     INVALID_FRAME,
     PEER_LOST,
@@ -33,9 +34,17 @@ from .errors import (
     UNKNOWN_TRANSFER,
     TransferError,
 )
+from .security import KVKeys, serve_securely
 from .telemetry import TransferTelemetry
 from .tracking import DoneCallback, Reservation, check_data_frame, validate_block_ids
-from .zmqutil import Wakeup, check_deadline, disconnected_fds, encode_transfer_id, source_fd
+from .zmqutil import (
+    HANDSHAKE_FAILED_EVENTS,
+    Wakeup,
+    check_deadline,
+    encode_transfer_id,
+    monitor_events,
+    source_fd,
+)
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
@@ -57,7 +66,7 @@ class TcpReceiver:
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
-                 keep_freed_buffers: bool = True) -> None:
+                 keep_freed_buffers: bool = True, keys: KVKeys | None = None) -> None:
         check_cache(layout, kv_cache)
         if keep_freed_buffers:  # zmq's receive buffers: see allocator.py
             allocator.keep_freed_buffers()
@@ -69,6 +78,8 @@ class TcpReceiver:
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer errors, not blocks
         self._router.setsockopt(zmq.RCVHWM, 0)
+        # kvTransfer.secure: only peers holding the model's keys get through (security.py).
+        self._auth = serve_securely(self._ctx, self._router, keys) if keys is not None else None
         try:
             if port == 0:
                 port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -76,10 +87,12 @@ class TcpReceiver:
                 self._router.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             self._router.close()
+            if self._auth is not None:
+                self._auth.stop()
             self._ctx.term()
             raise ValueError(f"cannot listen for KV transfers on {host}:{port}: {exc}") from exc
         self.address = f"tcp://{host}:{port}"
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         self._lock = threading.Lock()  # guards _reservations; held while a frame is written
         self._reservations: dict[str, Reservation] = {}
         self._outcomes: OrderedDict[str, TransferError | None] = OrderedDict()
@@ -148,6 +161,8 @@ class TcpReceiver:
         self._thread.join(timeout=10)
         self._monitor.close(linger=0)
         self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
         self._ctx.term()
         self._wakeup.close()
 
@@ -168,7 +183,9 @@ class TcpReceiver:
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self._wakeup.fd in events:
                 self._wakeup.clear()
-            closed = disconnected_fds(self._monitor) if self._monitor in events else []
+            closed, refused = monitor_events(self._monitor) if self._monitor in events else ([], 0)
+            if refused:
+                self._refused_peers(refused)
             if self._router in events or closed:
                 # A closed peer's last messages are queued before its disconnect event is sent:
                 # read them all first, so its session is known when the disconnect is handled.
@@ -184,6 +201,14 @@ class TcpReceiver:
         if not deadlines:
             return 1000
         return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+
+    def _refused_peers(self, count: int) -> None:
+        """Connections that failed the security handshake: say so; zmq has already dropped them."""
+        ours = "secure (--kv-keys)" if self._auth is not None else "not secure (no --kv-keys)"
+        log.warning("KV receiver %s: refused %d connection(s) whose security handshake failed; this receiver is %s "
+                    "and the sender is not, or holds other keys", self.address, count, ours)
+        for _ in range(count):
+            self.telemetry.failed(self.transport, AUTH_FAILED)
 
     def _drain_router(self, until_empty: bool = False) -> None:
         handled = 0

@@ -36,10 +36,20 @@ from tandem.worker.kv.layout import KVLayout
 
 from . import allocator, wire
 from .blocks import check_cache, read_blocks
-from .errors import ABORTED, CLOSED, CONNECT_FAILED, INCOMPLETE, PEER_LOST, TIMEOUT, TransferError
+from .errors import (
+    ABORTED,
+    AUTH_FAILED,
+    CLOSED,
+    CONNECT_FAILED,
+    INCOMPLETE,
+    PEER_LOST,
+    TIMEOUT,
+    TransferError,
+)
+from .security import KVKeys, connect_securely, handshake_failed
 from .telemetry import TransferTelemetry
 from .tracking import validate_block_ids
-from .zmqutil import Wakeup, check_deadline, disconnected_fds, encode_transfer_id
+from .zmqutil import HANDSHAKE_FAILED_EVENTS, Wakeup, check_deadline, disconnected_fds, encode_transfer_id
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
@@ -157,6 +167,7 @@ class TcpConnection:
     def __init__(self, sender: TcpSender, address: str) -> None:
         self.address = address
         self.layout, self.kv_cache, self.telemetry = sender.layout, sender.kv_cache, sender.telemetry
+        self.keys = sender.keys
         self.local_blocks = sender.kv_cache.shape[2]
         self.frame_bytes, self.max_inflight_bytes = sender.frame_bytes, sender.max_inflight_bytes
         self.cv = threading.Condition()
@@ -193,7 +204,10 @@ class TcpConnection:
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             sock.setsockopt(option, value)
-        self._monitors.append(sock.get_monitor_socket(zmq.EVENT_DISCONNECTED))
+        if sender.keys is not None:
+            connect_securely(sock, sender.keys)
+        events = zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
+        self._monitors.append(sock.get_monitor_socket(events))
         sock.connect(self.address)
         return sock
 
@@ -204,7 +218,7 @@ class TcpConnection:
     def _handshake(self, sender: TcpSender, session: str) -> int:
         self._control.send_multipart(wire.encode_control(wire.HELLO, wire.hello(
             self.layout, sender.layout_tag, session, self.transport, self._hello_extra())))
-        if not self._control.poll(int(sender.connect_timeout_s * 1000)):
+        if not self._await_reply(sender.connect_timeout_s):
             self.telemetry.failed(self.transport, CONNECT_FAILED)
             raise TransferError(CONNECT_FAILED, f"no KV receiver answered at {self.address} within "
                                 f"{sender.connect_timeout_s:g}s")
@@ -221,6 +235,26 @@ class TcpConnection:
         for index, stream in enumerate(self._streams):
             stream.sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
         return int(reply["num_blocks"])
+
+    def _await_reply(self, timeout_s: float) -> bool:
+        """Wait for the handshake reply; a failed security handshake fails at once (auth_failed)."""
+        poller = zmq.Poller()
+        poller.register(self._control, zmq.POLLIN)
+        monitor = self._monitors[0]  # the control socket's
+        poller.register(monitor, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self._control in ready:
+                return True
+            if monitor in ready and handshake_failed(monitor):
+                self.telemetry.failed(self.transport, AUTH_FAILED)
+                ours = "with" if self.keys is not None else "without"
+                raise TransferError(AUTH_FAILED, (
+                    f"the security handshake with the KV receiver at {self.address} failed: this sender runs "
+                    f"{ours} KV keys, and the receiver holds other keys or none (kvTransfer.secure / --kv-keys "
+                    "must match on every worker of the model)"))
+        return False
 
     # --- transport-specific parts (rdma.py overrides these) -------------------------------
 
@@ -526,7 +560,7 @@ class TcpSender:
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
                  streams: int = 2, frame_bytes: int = 2 << 20, max_inflight_bytes: int = 64 << 20,
                  connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None,
-                 keep_freed_buffers: bool = True) -> None:
+                 keep_freed_buffers: bool = True, keys: KVKeys | None = None) -> None:
         check_cache(layout, kv_cache)
         if keep_freed_buffers:  # staging buffers of gathered frames: see allocator.py
             allocator.keep_freed_buffers()
@@ -538,6 +572,7 @@ class TcpSender:
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
         self.streams, self.frame_bytes, self.max_inflight_bytes = streams, frame_bytes, max_inflight_bytes
         self.telemetry = telemetry or TransferTelemetry()
+        self.keys = keys  # kvTransfer.secure: CURVE with the model's keys (security.py)
         self.context = zmq.Context(io_threads=2)
         self._lock = threading.Lock()
         self._connections: dict[str, TcpConnection] = {}

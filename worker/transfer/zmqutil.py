@@ -8,6 +8,11 @@ import os
 import zmq
 from zmq.utils.monitor import parse_monitor_message
 
+# Monitor events that mean "the security handshake failed": a peer with other keys, or one side
+# secure (kvTransfer.secure) and the other not.
+HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+
 # Transfer ids are request ids; bounded so a header never balloons.
 MAX_TRANSFER_ID_BYTES = 256
 
@@ -41,14 +46,22 @@ class Wakeup:
 
 def disconnected_fds(monitor: zmq.Socket[bytes]) -> list[int]:
     """Drain a monitor socket; return the file descriptors of connections that closed."""
+    return monitor_events(monitor)[0]
+
+
+def monitor_events(monitor: zmq.Socket[bytes]) -> tuple[list[int], int]:
+    """Drain a monitor socket: (file descriptors of closed connections, failed security handshakes)."""
     closed: list[int] = []
+    failed_handshakes = 0
     while True:
         try:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
-            return closed
+            return closed, failed_handshakes
         if event["event"] == zmq.EVENT_DISCONNECTED:
             closed.append(int(event["value"]))
+        elif event["event"] & HANDSHAKE_FAILED_EVENTS:
+            failed_handshakes += 1
 
 
 def source_fd(frame: zmq.Frame) -> int | None:
