@@ -46,8 +46,9 @@ from typing import Any
 
 import httpx
 
-from tandem.worker.bench.client import RequestResult
+from tandem.worker.bench.client import RequestResult, send_one
 from tandem.worker.bench.stats import percentile
+from tandem.worker.bench.workload import RequestSpec
 from tandem.worker.server.supervisor import LocalStack, StackSpec, free_port
 
 # Random-weight Llama-shaped models. "small" (~50M parameters) is the default: its decode step
@@ -87,45 +88,13 @@ def random_ids(n: int, rng: random.Random, vocab: int = 512) -> list[int]:
 
 
 async def stream_one(client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int) -> RequestResult:
-    """One streamed completion; a token's time is when its SSE chunk reaches this client.
-
-    Like `tandem bench`'s client, but with `return_token_ids` (vLLM's extension), so the router sends
-    one chunk per token the workers produce. Without it the router holds back a token whose text is
-    still empty (an incomplete UTF-8 sequence, frequent with random tokens on the byte-level test
-    tokenizer) and sends it with the next one, which turns one decode step in a few into a two-step
-    gap in every mode alike.
-    """
-    body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0, "return_token_ids": True}
-    start = last = time.monotonic()
-    result = RequestResult("", False, start)
-    try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
-            if resp.status_code != 200:
-                await resp.aread()
-                result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-                return result
-            async for line in resp.aiter_lines():
-                data = line[5:].strip() if line.startswith("data:") else ""
-                if not data or data == "[DONE]":
-                    continue
-                choices = json.loads(data).get("choices") or []
-                if not choices or not choices[0].get("token_ids"):
-                    continue
-                now = time.monotonic()
-                if result.ttft is None:
-                    result.ttft = now - start
-                else:
-                    result.itls.append(now - last)
-                last = now
-                result.output_tokens += len(choices[0]["token_ids"])
-    except (httpx.HTTPError, json.JSONDecodeError) as exc:
-        result.error = f"{type(exc).__name__}: {exc}"
-        return result
-    result.e2e = time.monotonic() - start
-    result.ok = result.ttft is not None and result.output_tokens == max_tokens
-    if not result.ok:
-        result.error = f"{result.output_tokens} of {max_tokens} tokens"
+    """One streamed completion with one chunk per token (`return_token_ids`): without it the router
+    holds back a token whose text is still empty (frequent with random tokens on the byte-level
+    test tokenizer), which turns one decode step in a few into a two-step gap in every mode alike."""
+    spec = RequestSpec(0.0, len(prompt), max_tokens, "bench")
+    result = await send_one(client, url, "bench", spec, prompt, 300.0, token_ids=True)
+    if result.ok and result.output_tokens != max_tokens:
+        result.ok, result.error = False, f"{result.output_tokens} of {max_tokens} tokens"
     return result
 
 

@@ -51,11 +51,19 @@ async def calibrate(client: httpx.AsyncClient, url: str, model: str, sample: str
 
 
 async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: RequestSpec, prompt: str | list[int],
-                   timeout: float) -> RequestResult:
-    body = {
+                   timeout: float, token_ids: bool = False) -> RequestResult:
+    """One streamed completion; a chunk's time is when it reaches this client.
+
+    A server sends a chunk when new text is ready, so a token whose text is still empty (an
+    incomplete UTF-8 sequence) reaches the client with the next one. `token_ids` asks for vLLM's
+    `return_token_ids`, with which Tandem's router sends one chunk per token: per-token ITL.
+    """
+    body: dict[str, object] = {
         "model": model, "prompt": prompt, "max_tokens": spec.output_tokens, "stream": True,
         "stream_options": {"include_usage": True}, "ignore_eos": True, "temperature": 0,
     }
+    if token_ids:
+        body["return_token_ids"] = True
     start = time.monotonic()
     result = RequestResult(spec.tag, False, start)
     last = start
@@ -80,7 +88,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: Reques
                         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                     choices = chunk.get("choices") or []
-                    if choices:  # the router sends one chunk per token arrival (text may be empty)
+                    if choices and (choices[0].get("token_ids") if token_ids else True):
                         now = time.monotonic()
                         if result.ttft is None:
                             result.ttft = now - start

@@ -65,13 +65,13 @@ class RouterState:
             return self.cfg.model_name
         info = self.registry.any_info()
         if info is None:
-            raise errors.unavailable("no worker has reported yet, so the model is not known")
+            raise errors.unavailable("no worker has loaded the model yet, so it is not known")
         return info.model
 
     def max_model_len(self) -> int:
         info = self.registry.any_info()
         if info is None:
-            raise errors.unavailable("no worker is up")
+            raise errors.unavailable("no worker has loaded the model yet")
         return info.max_model_len
 
     async def tokenizer(self) -> Tokenizer:

@@ -130,8 +130,9 @@ class WorkerRegistry:
         return [w for w in self.workers.values() if w.usable and w.role in roles]
 
     def any_info(self) -> WorkerInfo | None:
+        """The report of a worker whose model is loaded (one still loading knows no context length yet)."""
         for w in self.workers.values():
-            if w.up and w.info is not None:
+            if w.up and w.info is not None and w.info.max_model_len > 0:
                 return w.info
         return None
 

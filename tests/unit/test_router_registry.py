@@ -1,0 +1,29 @@
+"""The router's view of its workers: a worker still loading its model must not define the model's limits."""
+
+from __future__ import annotations
+
+from tandem.worker.router.discovery import StaticDiscovery
+from tandem.worker.router.workers import WorkerRegistry, WorkerState
+from tandem.worker.server.protocol import WorkerInfo
+
+
+def info(*, loaded: bool) -> WorkerInfo:
+    return WorkerInfo(model="tiny", role="decode", pool="local", layout_hash="abc" if loaded else "",
+                      kv_address=None, transport=None, max_model_len=2048 if loaded else 0, block_size=16,
+                      ready=loaded, draining=False, load_progress=1.0 if loaded else 0.4)
+
+
+def registry(*infos: WorkerInfo) -> WorkerRegistry:
+    reg = WorkerRegistry(StaticDiscovery([]), "tiny")
+    for index, worker_info in enumerate(infos):
+        reg.workers[f"http://w{index}"] = WorkerState(f"http://w{index}", info=worker_info, up=True)
+    return reg
+
+
+def test_a_worker_still_loading_gives_no_model_info() -> None:
+    assert registry(info(loaded=False)).any_info() is None
+
+
+def test_the_loaded_worker_answers_even_behind_one_still_loading() -> None:
+    found = registry(info(loaded=False), info(loaded=True)).any_info()
+    assert found is not None and found.max_model_len == 2048
