@@ -39,6 +39,16 @@ def test_bench_reports_latencies_and_writes_json(mono: Stack, tmp_path: Path) ->
     assert summary["slo_attainment"] == 1.0
 
 
+def test_bench_per_token_measures_every_gap(mono: Stack, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    res = tandem("bench", "--url", mono.url, "-n", "4", "--rate", "0", "--prompt-tokens", "16",
+                 "--output-tokens", "9", "--per-token", "--json", str(out))
+    assert res.returncode == 0, res.stdout + res.stderr
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["completed"] == 4
+    assert summary["itl_s"]["count"] == 4 * 8, "one gap between every two of the 9 tokens of each request"
+
+
 def test_bench_replays_a_scaled_trace(mono: Stack, tmp_path: Path) -> None:
     if not Path("/work/shared/traces/azure_llm_2023_code.csv").is_file():
         pytest.skip("the shared Azure trace is not on this machine")

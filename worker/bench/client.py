@@ -111,7 +111,7 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: Reques
 
 
 async def run_requests(url: str, model: str, specs: list[RequestSpec], prompts: list[str], *,
-                       max_duration: float, request_timeout: float,
+                       max_duration: float, request_timeout: float, token_ids: bool = False,
                        on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
     """Send each spec at its send_at; stop sending after max_duration. Returns results and wall time."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
@@ -123,7 +123,7 @@ async def run_requests(url: str, model: str, specs: list[RequestSpec], prompts: 
             if delay > 0:
                 await asyncio.sleep(delay)
             remaining = max(1.0, max_duration - (time.monotonic() - start))
-            res = await send_one(client, url, model, spec, prompt, min(request_timeout, remaining))
+            res = await send_one(client, url, model, spec, prompt, min(request_timeout, remaining), token_ids)
             if on_done is not None:
                 on_done(res)
             return res

@@ -24,6 +24,7 @@ def percentile(values: list[float], q: float) -> float | None:
 def dist(values: list[float]) -> dict[str, float | None]:
     out: dict[str, float | None] = {f"p{q}": percentile(values, q) for q in PERCENTILES}
     out["mean"] = sum(values) / len(values) if values else None
+    out["count"] = len(values)
     return out
 
 

@@ -47,13 +47,16 @@ CALIBRATION_WORDS = 64
               help="Stop sending after this many seconds; unfinished requests count as failed.")
 @click.option("--request-timeout", type=float, default=120.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--per-token", is_flag=True,
+              help="Ask for one chunk per token (vLLM's return_token_ids; Tandem and vLLM honour it) so ITL is "
+                   "per token; by default a token whose text is still empty arrives with the next chunk.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the results as JSON here.")
 def command(url: str, model: str | None, num_requests: int, rate: float | None, arrival: str, prompt_tokens: int,
             output_tokens: int, trace: str | None, trace_offset: int, time_scale: float | None,
             length_scale: float | None, max_prompt_tokens: int, max_output_tokens: int,
             slo_ttft: float | None, slo_itl: float | None, max_duration: float, request_timeout: float,
-            seed: int, json_path: Path | None) -> None:
+            seed: int, per_token: bool, json_path: Path | None) -> None:
     """Load-test an OpenAI endpoint: Poisson or constant arrivals, synthetic lengths or a trace."""
     console = Console(stderr=False)
     url = url.rstrip("/")
@@ -108,7 +111,7 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
 
         results, wall = await bench_client.run_requests(
             url, model, specs, prompts, max_duration=o["max_duration"],
-            request_timeout=o["request_timeout"], on_done=done)
+            request_timeout=o["request_timeout"], token_ids=o["per_token"], on_done=done)
     skipped = len(specs) - len(results)
     if skipped:
         notes.append(f"{skipped} requests not sent: their send time was past --max-duration")
