@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import pytest
 import torch
 
+from tandem.worker.kv.keys import KVKeys
 from tandem.worker.transfer import TransferError, make_receiver, make_sender
 from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, make_cache
-from tandem.worker.transfer.security import KVKeys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from tandem.worker.kv.keys import KVKeys, KVKeysError
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("auto", "tcp", "rdma")
@@ -35,6 +37,7 @@ class WorkerConfig:
     kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
     fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
     kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
+    keys: KVKeys | None = field(init=False, default=None)  # loaded from kv_keys, at start
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -48,10 +51,8 @@ class WorkerConfig:
         if self.fault not in (None, "drop-kv"):
             raise ValueError(f"unknown fault {self.fault!r}")
         if self.kv_keys is not None:
-            from tandem.worker.kv.keys import KVKeys, KVKeysError
-
             try:
-                KVKeys.load(self.kv_keys)  # fail at start, not at the first transfer
+                self.keys = KVKeys.load(self.kv_keys)  # fail at start, not when the model has loaded
             except KVKeysError as exc:
                 raise ValueError(f"--kv-keys: {exc}") from None
         for name in ("port", "kv_port"):

@@ -130,20 +130,16 @@ class WorkerServer:
         self.transport = kind
         log.info("KV transport: %s (%s)", kind, why)
         layout = engine.kv_layout
-        options: dict[str, Any] = {}
-        if cfg.kv_keys is not None:
-            from tandem.worker.kv.keys import KVKeys
-
-            options["keys"] = KVKeys.load(cfg.kv_keys)
+        if cfg.keys is not None:
             log.info("KV transfer: secure (CURVE; peers must hold the keys in %s)", cfg.kv_keys)
         if cfg.role == "decode":
             self._receiver = make_receiver(kind, layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
-                                           telemetry=self.transfer_telemetry, **options)
+                                           telemetry=self.transfer_telemetry, keys=cfg.keys)
             scheme, _, port = self._receiver.address.rpartition(":")
             self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
             self.intake = KVIntake(self._receiver, self._cancel_reservation)
         else:
-            self._sender = make_sender(kind, layout, engine.kv_cache, telemetry=self.transfer_telemetry, **options)
+            self._sender = make_sender(kind, layout, engine.kv_cache, telemetry=self.transfer_telemetry, keys=cfg.keys)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
             engine.set_layer_callback(self.shipper.on_layer)
 

@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
+from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire
 from .blocks import ascending_runs, read_blocks
 from .errors import CORRUPT_FRAME, INCOMPLETE, PEER_LOST, TIMEOUT, UNAVAILABLE, TransferError
 from .rdma_probe import RdmaProbe, load_pyverbs, probe
-from .security import KVKeys
 from .tcp_receiver import TcpReceiver
 from .tcp_sender import OutgoingTransfer, TcpConnection, TcpSender
 from .telemetry import TransferTelemetry

@@ -13,12 +13,7 @@ from __future__ import annotations
 import zmq
 import zmq.auth.thread
 
-from tandem.worker.kv.keys import KVKeys, KVKeysError
-
-from .zmqutil import HANDSHAKE_FAILED_EVENTS, monitor_events
-
-__all__ = ["HANDSHAKE_FAILED_EVENTS", "KVKeys", "KVKeysError", "connect_securely", "handshake_failed",
-           "serve_securely"]
+from tandem.worker.kv.keys import KVKeys
 
 ZAP_DOMAIN = "tandem-kv"
 
@@ -53,7 +48,3 @@ def connect_securely(sock: zmq.Socket[bytes], keys: KVKeys) -> None:
     sock.curve_publickey = keys.public
     sock.curve_secretkey = keys.secret
 
-
-def handshake_failed(monitor: zmq.Socket[bytes]) -> bool:
-    """Drain a socket monitor; True if it reported a failed security handshake."""
-    return monitor_events(monitor)[1] > 0

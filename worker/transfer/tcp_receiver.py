@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 
 from . import allocator, wire
@@ -34,7 +35,7 @@ from .errors import (
     UNKNOWN_TRANSFER,
     TransferError,
 )
-from .security import KVKeys, serve_securely
+from .security import serve_securely
 from .telemetry import TransferTelemetry
 from .tracking import DoneCallback, Reservation, check_data_frame, validate_block_ids
 from .zmqutil import (

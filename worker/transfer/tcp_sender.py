@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import zmq
 
+from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 
 from . import allocator, wire
@@ -46,10 +47,17 @@ from .errors import (
     TIMEOUT,
     TransferError,
 )
-from .security import KVKeys, connect_securely, handshake_failed
+from .security import connect_securely
 from .telemetry import TransferTelemetry
 from .tracking import validate_block_ids
-from .zmqutil import HANDSHAKE_FAILED_EVENTS, Wakeup, check_deadline, disconnected_fds, encode_transfer_id
+from .zmqutil import (
+    HANDSHAKE_FAILED_EVENTS,
+    Wakeup,
+    check_deadline,
+    disconnected_fds,
+    encode_transfer_id,
+    monitor_events,
+)
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
@@ -247,7 +255,7 @@ class TcpConnection:
             ready = dict(poller.poll(int(left * 1000) + 1))
             if self._control in ready:
                 return True
-            if monitor in ready and handshake_failed(monitor):
+            if monitor in ready and monitor_events(monitor)[1]:  # failed security handshakes
                 self.telemetry.failed(self.transport, AUTH_FAILED)
                 ours = "with" if self.keys is not None else "without"
                 raise TransferError(AUTH_FAILED, (
