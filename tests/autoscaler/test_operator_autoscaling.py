@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_harness import OperatorProcess, condition, wait_for
+from operator_harness import OperatorProcess, autoscaled_resource, condition, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,17 +34,6 @@ INTERVAL = 2
 MODEL = "tiny-llama"
 NAME = "auto"
 
-
-def resource() -> dict[str, Any]:
-    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 4, "scaleDownStabilizationSeconds": 600}
-    return {
-        "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "metadata": {"name": NAME},
-        "spec": {
-            "model": {"name": MODEL, "source": {"path": "/models/tiny-llama"}},
-            "prefill": {"replicas": 1, "autoscaling": {**auto, "targetQueueDepth": 2}},
-            "decode": {"replicas": 1, "autoscaling": {**auto, "targetKVUtilization": 0.5}},
-        },
-    }
 
 
 class Bed:
@@ -124,7 +113,8 @@ def metric(text: str, name: str, namespace: str, pool: str) -> float | None:
 
 
 def test_operator_scales_on_queue_and_kv_and_holds_without_metrics(bed: Bed, start_load: Any) -> None:
-    bed.cluster.kubectl("apply", "-n", bed.namespace, "-f", "-", input=json.dumps(resource()))
+    bed.cluster.kubectl("apply", "-n", bed.namespace, "-f", "-",
+                        input=json.dumps(autoscaled_resource(NAME, MODEL, max_replicas=4)))
     bed.wait("both pools 1/1", lambda: ((d := bed.dm()).get("status", {}).get("prefill", {}).get("summary") == "1/1"
              and d["status"].get("decode", {}).get("summary") == "1/1") or None)
 

@@ -32,7 +32,7 @@ import promql_inventory as inventory
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
-from operator_harness import OperatorProcess, free_port, wait_for
+from operator_harness import OperatorProcess, autoscaled_resource, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -45,17 +45,6 @@ AUTOSCALE_INTERVAL = 2
 # Alerts that must be quiet once the pools have settled: they fire here only on a label mismatch.
 QUIET_WHEN_HEALTHY = ("TandemWorkersDown",)
 
-
-def resource() -> dict[str, Any]:
-    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": 3, "scaleDownStabilizationSeconds": 600}
-    return {
-        "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "metadata": {"name": NAME},
-        "spec": {
-            "model": {"name": MODEL, "source": {"path": "/models/tiny-llama"}},
-            "prefill": {"replicas": 1, "autoscaling": {**auto, "targetQueueDepth": 2}},
-            "decode": {"replicas": 1, "autoscaling": {**auto, "targetKVUtilization": 0.5}},
-        },
-    }
 
 
 def scrape_config(workers: str, operator: str, namespace: str) -> dict[str, Any]:
@@ -145,7 +134,8 @@ def operator_queries() -> list[inventory.PromQL]:
 
 
 def test_every_operator_expression_returns_data(bed: Bed, load: None) -> None:
-    bed.cluster.kubectl("apply", "-n", bed.namespace, "-f", "-", input=json.dumps(resource()))
+    bed.cluster.kubectl("apply", "-n", bed.namespace, "-f", "-",
+                        input=json.dumps(autoscaled_resource(NAME, MODEL, max_replicas=3)))
     # Both pools scale up under the load: scale events, signals and targets exist for both.
     wait_for("the operator to scale both pools up", lambda: all(
         (bed.dm().get("status", {}).get(pool) or {}).get("desiredReplicas", 1) > 1 for pool in ("prefill", "decode"))

@@ -114,3 +114,12 @@ def testbed(k8s_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         k8s_cluster.delete_custom_resources(namespace)
         operator.stop()
         k8s_cluster.kubectl("delete", "namespace", namespace, "--wait=false", check=False)
+
+
+@pytest.fixture
+def cleanup(testbed: Testbed) -> Iterator[list[str]]:
+    """Names of resources to delete after the test (their pods would otherwise hold GPUs)."""
+    names: list[str] = []
+    yield names
+    for name in names:
+        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=45s", check=False)

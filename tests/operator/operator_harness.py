@@ -123,3 +123,16 @@ def as_json(text: str) -> dict[str, Any]:
 
 def environ_without_kubeconfig() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
+
+
+def autoscaled_resource(name: str, model: str, max_replicas: int) -> dict[str, Any]:
+    """A DisaggregatedModel whose pools scale with Tandem's autoscaler (queue depth 2, KV utilization 0.5)."""
+    auto = {"enabled": True, "minReplicas": 1, "maxReplicas": max_replicas, "scaleDownStabilizationSeconds": 600}
+    return {
+        "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel", "metadata": {"name": name},
+        "spec": {
+            "model": {"name": model, "source": {"path": f"/models/{model}"}},
+            "prefill": {"replicas": 1, "autoscaling": {**auto, "targetQueueDepth": 2}},
+            "decode": {"replicas": 1, "autoscaling": {**auto, "targetKVUtilization": 0.5}},
+        },
+    }

@@ -9,7 +9,7 @@ import hashlib
 import json
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,15 +30,6 @@ def resource(sample: Callable[[str], dict[str, Any]], name: str, **spec: Any) ->
     for key, value in spec.items():
         body["spec"][key] = value
     return body
-
-
-@pytest.fixture
-def cleanup(testbed: Bed) -> Iterator[list[str]]:
-    """Names of resources to delete after the test (their pods would otherwise hold GPUs)."""
-    names: list[str] = []
-    yield names
-    for name in names:
-        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=45s", check=False)
 
 
 def wait_ready(testbed: Bed, name: str, timeout: float = 60.0) -> dict[str, Any]:

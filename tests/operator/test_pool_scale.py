@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,14 +17,6 @@ import pytest
 pytestmark = pytest.mark.integration
 
 Bed = Any  # tests/operator/conftest.py: Testbed
-
-
-@pytest.fixture
-def cleanup(testbed: Bed) -> Iterator[list[str]]:
-    names: list[str] = []
-    yield names
-    for name in names:
-        testbed.kubectl("delete", "dm", name, "-n", testbed.namespace, "--timeout=45s", check=False)
 
 
 def make(sample: Callable[[str], dict[str, Any]], name: str, **pools: Any) -> dict[str, Any]:
