@@ -46,14 +46,45 @@ def test_device_listing_without_a_device_is_a_clear_no() -> None:
 
 @needs_pyverbs
 def test_the_work_requests_and_qp_attributes_rdma_posts_can_be_built() -> None:
-    from tandem.worker.transfer.rdma import pyverbs_modules, rts_attributes, write_request
+    from tandem.worker.transfer.rdma_verbs import post_write_request, pyverbs_modules, rts_attributes
 
     m = pyverbs_modules()
-    remote = {"qpn": 17, "psn": 99, "lid": 3, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "port": 1}
-    attr = rts_attributes(m, port=1, mtu=m["enums"].IBV_MTU_4096, psn=5, remote=remote)
-    assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn) == (17, 5, 99)
-    write = write_request(m, wr_id=7, local_addr=0x1000, length=4096, lkey=11, rkey=12, remote_addr=0x2000)
-    assert write.wr_id == 7
+    e = m["enums"]
+    remote = {"qpn": 17, "psn": 99, "lid": 3, "gid": "fe80:0000:0000:0000:0000:0000:0000:0001", "gid_index": 3,
+              "mtu": 3}
+    attr = rts_attributes(m, port=1, mtu=e.ibv_mtu.IBV_MTU_1024, psn=5, remote=remote, gid_index=3)
+    assert (attr.dest_qp_num, attr.rq_psn, attr.sq_psn, attr.path_mtu) == (17, 5, 99, 3)
+    assert (attr.ah_attr.sgid_index, attr.ah_attr.hop_limit, attr.ah_attr.dlid) == (3, 64, 3)
+    posted = []
+
+    class Qp:  # stands in for a connected QP: there is no device to make one on
+        def post_send(self, wr: object) -> None:
+            posted.append((wr.wr_id, wr.opcode, wr.send_flags))  # type: ignore[attr-defined]
+
+    post_write_request(m, Qp(), wr_id=7, local_addr=0x1000, length=4096, lkey=11, rkey=12, remote_addr=0x2000)
+    assert posted == [(7, e.ibv_wr_opcode.IBV_WR_RDMA_WRITE, e.ibv_send_flags.IBV_SEND_SIGNALED)]
+
+
+@needs_pyverbs
+def test_the_qualified_enum_names_rdma_uses_resolve() -> None:
+    """Cython >= 3.1 drops the module-level copies of named cpdef enums: only qualified names are used."""
+    from tandem.worker.transfer.rdma_verbs import pyverbs_modules
+
+    m = pyverbs_modules()
+    e = m["enums"]
+    for enum, name in (("ibv_access_flags", "IBV_ACCESS_LOCAL_WRITE"), ("ibv_access_flags", "IBV_ACCESS_REMOTE_WRITE"),
+                       ("ibv_wr_opcode", "IBV_WR_RDMA_WRITE"), ("ibv_send_flags", "IBV_SEND_SIGNALED"),
+                       ("ibv_qp_type", "IBV_QPT_RC"),
+                       ("ibv_qp_state", "IBV_QPS_ERR"), ("ibv_qp_attr_mask", "IBV_QP_STATE"),
+                       ("ibv_gid_type_sysfs", "IBV_GID_TYPE_SYSFS_ROCE_V2"), ("ibv_mtu", "IBV_MTU_1024")):
+        assert isinstance(int(getattr(getattr(e, enum), name)), int)
+    assert e.ibv_wc_status(12).name == "IBV_WC_RETRY_EXC_ERR"
+    assert "retry" in m["cq"].cqe_status_to_str(12).lower()
+    init = m["qp"].QPInitAttr(qp_type=e.ibv_qp_type.IBV_QPT_RC, sq_sig_all=1,
+                              cap=m["qp"].QPCap(max_send_wr=1, max_recv_wr=1, max_send_sge=1, max_recv_sge=1))
+    assert init.sq_sig_all == 1
+    assert m["qp"].QPAttr(qp_state=e.ibv_qp_state.IBV_QPS_ERR).qp_state == e.ibv_qp_state.IBV_QPS_ERR
+    assert isinstance(e.IBV_LINK_LAYER_ETHERNET, int)  # an anonymous enum: stays module-level
 
 
 def test_asking_for_rdma_without_it_says_why() -> None:

@@ -3,6 +3,10 @@
 They build real receivers and senders on 127.0.0.1 with a tiny layout, run a peer in a
 separate process (so it can be killed mid-transfer), and speak the tcp wire protocol by hand
 to inject damaged frames, which no well-behaved sender would produce.
+
+The kind "rdma-loopback" is the rdma transport's real logic over rdma_loopback.LoopbackVerbs, an
+emulated in-process NIC (this machine has no RDMA hardware): it says nothing about real NICs, and
+its peers must live in one process.
 """
 
 from __future__ import annotations
@@ -33,6 +37,34 @@ from .telemetry import TransferTelemetry
 
 TINY_LAYOUT = KVLayout(model="conformance", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2,
                        head_dim=8)
+
+
+RDMA_LOOPBACK = "rdma-loopback"
+
+
+def transport_label(kind: str) -> str:
+    """The `transport` metric label of `kind` (rdma-loopback runs the rdma transport)."""
+    return "rdma" if kind == RDMA_LOOPBACK else kind
+
+
+def build_receiver(kind: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVReceiver:
+    """make_receiver, plus "rdma-loopback": RdmaReceiver over the emulated NIC."""
+    if kind == RDMA_LOOPBACK:
+        from .rdma import RdmaReceiver
+        from .rdma_loopback import LoopbackVerbs
+
+        return RdmaReceiver(layout, kv_cache, verbs_factory=options.pop("verbs_factory", LoopbackVerbs), **options)
+    return make_receiver(kind, layout, kv_cache, **options)
+
+
+def build_sender(kind: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVSender:
+    """make_sender, plus "rdma-loopback": RdmaSender over the emulated NIC."""
+    if kind == RDMA_LOOPBACK:
+        from .rdma import RdmaSender
+        from .rdma_loopback import LoopbackVerbs
+
+        return RdmaSender(layout, kv_cache, verbs_factory=options.pop("verbs_factory", LoopbackVerbs), **options)
+    return make_sender(kind, layout, kv_cache, **options)
 
 
 def make_cache(layout: KVLayout, num_blocks: int, *, random: bool, seed: int = 0) -> torch.Tensor:
@@ -74,16 +106,18 @@ class Pair:
 @contextmanager
 def transport_pair(kind: str, layout: KVLayout = TINY_LAYOUT, *, src_blocks: int = 32, dst_blocks: int = 32,
                    sender_layout: KVLayout | None = None, receiver_tag: str | None = None,
-                   sender_tag: str | None = None, **sender_options: Any) -> Iterator[Pair]:
+                   sender_tag: str | None = None, receiver_options: dict[str, Any] | None = None,
+                   **sender_options: Any) -> Iterator[Pair]:
     """A receiver (zeroed cache) and a sender (random cache) of `kind`, closed afterwards."""
     sender_layout = sender_layout or layout
     recv_telemetry, send_telemetry = TransferTelemetry(role="decode"), TransferTelemetry(role="prefill")
     dst = make_cache(layout, dst_blocks, random=False)
     src = make_cache(sender_layout, src_blocks, random=True)
-    receiver = make_receiver(kind, layout, dst, layout_tag=receiver_tag, telemetry=recv_telemetry)
+    receiver = build_receiver(kind, layout, dst, layout_tag=receiver_tag, telemetry=recv_telemetry,
+                              **(receiver_options or {}))
     try:
-        sender = make_sender(kind, sender_layout, src, layout_tag=sender_tag, telemetry=send_telemetry,
-                             **sender_options)
+        sender = build_sender(kind, sender_layout, src, layout_tag=sender_tag, telemetry=send_telemetry,
+                              **sender_options)
         try:
             yield Pair(receiver, sender, src, dst, recv_telemetry, send_telemetry)
         finally:

@@ -1,32 +1,41 @@
-"""The rdma transport (pyverbs, RC queue pairs). UNTESTED on hardware in this repository's CI.
+"""The rdma transport (RC queue pairs, RDMA WRITE). UNTESTED on RDMA hardware in this repository.
 
 Same control plane as tcp (zmq: handshake, BEGIN/FINISH/ABORT, deadlines, peer-death
 detection); the blocks themselves move by RDMA WRITE:
 
 - the decode side registers its whole KV-cache tensor as one memory region (a CUDA tensor is
   registered directly, which needs GPUDirect RDMA: nvidia_peermem loaded) and sends the
-  region's address and rkey plus its QP number, LID and GID in the handshake reply;
+  region's address and rkey plus its QP number, LID, GID (and its index) and active MTU in the
+  handshake reply; both sides use the smaller MTU;
 - the prefill side registers its own cache (the WRITE source), connects an RC QP per
-  connection, and for each send_layer() posts one signaled WRITE per run of blocks that is
-  contiguous on both sides, straight into the reserved destination blocks;
-- finish() waits for every WRITE's completion (on RC that means the data is placed in the
-  receiver's memory), then sends FINISH over zmq with a digest of every piece. The receiver
-  recomputes the digests over the reserved blocks and only then reports the transfer done.
+  connection, waits until the receiver has claimed a transfer for it (an ACK carrying BEGUN_SEQ
+  answers BEGIN), and for each send_layer() posts one WRITE per run of blocks that is contiguous
+  on both sides, straight into the reserved destination blocks (after synchronising the cache's
+  CUDA device, so the NIC never reads blocks the GPU is still writing);
+- finish() waits for every WRITE's completion, then sends FINISH over zmq with a digest of every
+  piece. The receiver recomputes the digests over the reserved blocks and only then reports done.
 
-Frame checks therefore happen after the bytes land, in blocks that only this transfer owns
-and that nobody reads until the check passes; a failed check releases them like any other
-failure. The rkey covers the whole pool, so a peer that passed the handshake is trusted not to
-write outside its reservation: keep the RDMA network to the model's own pods (the operator's
-kvTransfer.rdmaResource and secure settings).
+Fencing keeps the API's promise "after on_done(error) or cancel(), nothing more is written into
+those blocks", although the rkey covers the whole pool:
+- sender: a failed transfer's ABORT is held back until all its WRITEs have completed (at most
+  drain_timeout_s, default 3 s). If they do not complete, or any WRITE completes with an error, the
+  connection is broken: its QP moves to ERR and every ABORT it still sends carries "fence", so the
+  receiver fences its side before it frees anything. The next connect() makes a new connection.
+- receiver: when a claimed reservation fails or is cancelled while its sender may still be writing
+  (timeout, cancel(), peer lost, a fencing ABORT: anything but a FINISH or a plain ABORT, both of
+  which the sender sends only once its WRITEs completed), the session's QP is moved to ERR and
+  destroyed *before* on_done runs or cancel() returns. Later WRITEs of that sender fail; its other
+  transfers fail with peer_lost and a message saying so, and the sender is told to reconnect.
 
-This machine has no RDMA device, so only import, discovery and the "unavailable" errors run
-in tests here; see docs/transfer.md for how to run the conformance suite on RDMA hardware.
+This module is the transport logic only: it talks to a NIC through the small Verbs interface of
+rdma_verbs.py, whose PyverbsVerbs is the only code that touches pyverbs, and which
+rdma_loopback.LoopbackVerbs (an in-process emulated NIC, for tests only) also implements.
+Settings: TANDEM_RDMA_DEVICE, TANDEM_RDMA_GID_INDEX (rdma_probe.py).
 """
 
 from __future__ import annotations
 
-import importlib
-import random
+import logging
 import struct
 import threading
 import time
@@ -38,112 +47,47 @@ from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 
 from . import wire
-from .blocks import ascending_runs, read_blocks
-from .errors import CORRUPT_FRAME, INCOMPLETE, PEER_LOST, TIMEOUT, UNAVAILABLE, TransferError
-from .rdma_probe import RdmaProbe, load_pyverbs, probe
+from .blocks import check_cache, read_blocks
+from .errors import (
+    CLOSED,
+    CORRUPT_FRAME,
+    INCOMPLETE,
+    PEER_LOST,
+    TIMEOUT,
+    UNAVAILABLE,
+    TransferError,
+)
+from .rdma_verbs import QP_DEPTH, PyverbsVerbs, VerbsFactory
 from .tcp_receiver import TcpReceiver
 from .tcp_sender import OutgoingTransfer, TcpConnection, TcpSender
 from .telemetry import TransferTelemetry
 from .tracking import Reservation
+from .zmqutil import check_deadline
 
-_QP_DEPTH = 512  # outstanding WRITEs per connection before we wait for completions
-_GID_INDEX = 0
+log = logging.getLogger(__name__)
 
-
-def _require_rdma(found: RdmaProbe | None = None) -> tuple[Any, Any, str, int]:
-    """(pyverbs enums, pyverbs modules namespace, device, port) of a usable device, or raise UNAVAILABLE."""
-    found = found or probe()
-    if not found.usable:
-        raise TransferError(UNAVAILABLE, found.reason)
-    load_pyverbs()
-    port = next(p for p in found.ports if p.active)
-    modules = pyverbs_modules()
-    return modules["enums"], modules, port.device, port.port
+_POLL_BATCH = 64
+DRAIN_TIMEOUT_S = 3.0
+_SEQ = struct.Struct("<Q")
+BEGUN_SEQ = 2**64 - 1  # an ACK with this sequence number: "this transfer is yours, you may WRITE"
+_BEGUN = _SEQ.pack(BEGUN_SEQ)
 
 
-def pyverbs_modules() -> dict[str, Any]:
-    """The pyverbs modules this transport uses (enums live in pyverbs.libibverbs_enums in 59)."""
-    load_pyverbs()
-    modules = {name: importlib.import_module(f"pyverbs.{name}")
-               for name in ("device", "pd", "mr", "cq", "qp", "wr", "addr")}
-    modules["enums"] = importlib.import_module("pyverbs.libibverbs_enums")
-    return modules
-
-
-def rts_attributes(m: dict[str, Any], port: int, mtu: int, psn: int, remote: dict[str, Any]) -> Any:
-    """QP attributes for INIT -> RTR -> RTS towards `remote` (the settings of ibv_rc_pingpong)."""
-    attr = m["qp"].QPAttr(port_num=port)
-    attr.path_mtu = mtu
-    attr.max_dest_rd_atomic = 1
-    attr.max_rd_atomic = 1
-    attr.min_rnr_timer = 12
-    attr.timeout = 14
-    attr.retry_cnt = 7
-    attr.rnr_retry = 7
-    route = m["addr"].GlobalRoute(dgid=m["addr"].GID(str(remote["gid"])), sgid_index=_GID_INDEX)
-    attr.ah_attr = m["addr"].AHAttr(port_num=port, is_global=1, gr=route, dlid=int(remote["lid"]))
-    attr.dest_qp_num = int(remote["qpn"])
-    attr.rq_psn = psn
-    attr.sq_psn = int(remote["psn"])
-    return attr
-
-
-def write_request(m: dict[str, Any], wr_id: int, local_addr: int, length: int, lkey: int, rkey: int,
-                  remote_addr: int) -> Any:
-    """One signaled RDMA WRITE of [local_addr, +length) to remote_addr."""
-    e = m["enums"]
-    sge = m["wr"].SGE(local_addr, length, lkey)
-    wr = m["wr"].SendWR(wr_id=wr_id, opcode=e.IBV_WR_RDMA_WRITE, num_sge=1, sg=[sge],
-                        send_flags=e.IBV_SEND_SIGNALED)
-    wr.set_wr_rdma(rkey, remote_addr)
-    return wr
-
-
-class _Verbs:
-    """One device context, protection domain and the cache's memory region."""
-
-    def __init__(self, kv_cache: torch.Tensor, remote_write: bool) -> None:
-        self.e, self.m, self.device, self.port = _require_rdma()
-        self.ctx = self.m["device"].Context(name=self.device)
-        self.pd = self.m["pd"].PD(self.ctx)
-        access = self.e.IBV_ACCESS_LOCAL_WRITE
-        if remote_write:
-            access |= self.e.IBV_ACCESS_REMOTE_WRITE
-        nbytes = kv_cache.numel() * kv_cache.element_size()
-        try:
-            self.mr = self.m["mr"].MR(self.pd, nbytes, access, address=kv_cache.data_ptr())
-        except Exception as exc:
-            where = "GPU memory (is nvidia_peermem loaded?)" if kv_cache.is_cuda else "host memory"
-            raise TransferError(UNAVAILABLE, f"cannot register the KV cache ({nbytes} bytes of {where}) "
-                                f"with {self.device}: {exc}") from exc
-        self.base = kv_cache.data_ptr()
-        self.port_attr = self.ctx.query_port(self.port)
-        self.gid = str(self.ctx.query_gid(self.port, _GID_INDEX).gid)
-
-    def close(self) -> None:
-        """Release the region, domain and context (pyverbs closes their dependents too)."""
-        self.ctx.close()
-
-    def new_qp(self) -> tuple[Any, Any, int]:
-        cq = self.m["cq"].CQ(self.ctx, 2 * _QP_DEPTH, None, None, 0)
-        cap = self.m["qp"].QPCap(max_send_wr=_QP_DEPTH, max_recv_wr=1, max_send_sge=1, max_recv_sge=1)
-        init = self.m["qp"].QPInitAttr(qp_type=self.e.IBV_QPT_RC, scq=cq, rcq=cq, cap=cap)
-        attr = self.m["qp"].QPAttr(port_num=self.port)
-        attr.qp_access_flags = self.e.IBV_ACCESS_LOCAL_WRITE | self.e.IBV_ACCESS_REMOTE_WRITE
-        qp = self.m["qp"].QP(self.pd, init, attr)  # created in INIT
-        return qp, cq, random.getrandbits(24)
-
-    def endpoint(self, qp: Any, psn: int) -> dict[str, Any]:
-        return {"qpn": qp.qp_num, "psn": psn, "lid": self.port_attr.lid, "gid": self.gid, "port": self.port}
-
-    def connect(self, qp: Any, psn: int, remote: dict[str, Any]) -> None:
-        """INIT -> RTR -> RTS towards the remote endpoint."""
-        qp.to_rts(rts_attributes(self.m, self.port, self.port_attr.active_mtu, psn, remote))
+def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(first src block, first dst block, count) for each run contiguous on both sides."""
+    runs, start = [], 0
+    for i in range(1, len(src) + 1):
+        if i == len(src) or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs.append((src[start], dst[start], i - start))
+            start = i
+    return runs
 
 
 def _offset(layout: KVLayout, num_blocks: int, layer: int, kind: int, block: int) -> int:
     return int(((layer * 2 + kind) * num_blocks + block) * layout.bytes_per_block_layer_kv)
 
+
+# --- decode side ----------------------------------------------------------------------------
 
 class RdmaReceiver(TcpReceiver):
     """Decode side: registers kv_cache, lets senders WRITE into reservations, verifies at FINISH."""
@@ -152,31 +96,129 @@ class RdmaReceiver(TcpReceiver):
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
-                 keys: KVKeys | None = None) -> None:
-        self._verbs = _Verbs(kv_cache, remote_write=True)
-        self._qps: dict[str, tuple[Any, Any]] = {}
-        super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry,
-                         keys=keys)
+                 keep_freed_buffers: bool = True, keys: KVKeys | None = None,
+                 verbs_factory: VerbsFactory | None = None) -> None:
+        check_cache(layout, kv_cache)  # before anything is registered
+        self._verbs = (verbs_factory or PyverbsVerbs)(kv_cache, True)
+        self._rdma_lock = threading.Lock()  # _qps, _fenced, _fence_queue: the I/O thread and cancel()
+        self._qps: dict[str, Any] = {}  # session -> its QP
+        self._fenced: dict[str, str] = {}  # session -> why it was fenced (until the sender disconnects)
+        self._fence_queue: list[tuple[str, str]] = []  # fenced sessions whose other transfers must fail
+        self._sender_quiet: set[str] = set()  # transfers whose FINISH / plain ABORT is being handled
+        self._fenced_transfers: dict[str, str] = {}  # transfer -> why its sender was fenced (for its FAILED)
+        try:
+            super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry,
+                             keep_freed_buffers=keep_freed_buffers, keys=keys)
+        except BaseException:
+            self._verbs.close()
+            raise
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         remote = peer.get("rdma")
         if not isinstance(remote, dict):
             raise TransferError(UNAVAILABLE, "the sender sent no RDMA endpoint in its handshake")
-        qp, cq, psn = self._verbs.new_qp()
-        self._verbs.connect(qp, psn, remote)
-        self._qps[session_id] = (qp, cq)
-        return {"rdma": {**self._verbs.endpoint(qp, psn), "addr": self._verbs.base,
-                         "rkey": self._verbs.mr.rkey}}
+        with self._rdma_lock:
+            qp = None
+            try:
+                qp = self._verbs.new_qp(False)
+                self._verbs.connect(qp, remote)
+                endpoint = self._verbs.endpoint(qp)
+            except Exception as exc:
+                if qp is not None:
+                    self._verbs.close_qp(qp)
+                if isinstance(exc, TransferError):
+                    raise
+                raise TransferError(UNAVAILABLE, f"cannot set up an RDMA queue pair for this sender: "
+                                    f"{type(exc).__name__}: {exc}") from exc
+            self._qps[session_id] = qp
+        return {"rdma": {**endpoint, "addr": self._verbs.base, "rkey": self._verbs.rkey}}
 
     def _session_closed(self, session_id: str) -> None:
-        qp_cq = self._qps.pop(session_id, None)
-        if qp_cq is not None:
-            for resource in qp_cq:
-                resource.close()
+        with self._rdma_lock:
+            qp = self._qps.pop(session_id, None)
+            self._fenced.pop(session_id, None)
+            if qp is not None:
+                self._verbs.close_qp(qp)
 
     def close(self) -> None:
         super().close()
-        self._verbs.close()
+        with self._rdma_lock:
+            self._qps.clear()
+            self._verbs.close()  # destroys every QP, then the region
+
+    def _on_transfer_control(self, identity: bytes, kind: bytes, msg: dict[str, object]) -> None:
+        session_id = self._identity_session.get(identity)
+        with self._rdma_lock:
+            fenced = self._fenced.get(session_id or "")
+        transfer_id = str(msg.get("transfer_id"))
+        if fenced is not None:
+            self._send(self._control_identity(identity), self._fenced_msg(transfer_id, fenced))
+            return
+        # FINISH and a plain ABORT come only after the sender's WRITEs completed: no fence needed.
+        quiet = kind == wire.FINISH or (kind == wire.ABORT and not msg.get("fence"))
+        if quiet:
+            self._sender_quiet.add(transfer_id)
+        try:
+            super()._on_transfer_control(identity, kind, msg)
+        finally:
+            self._sender_quiet.discard(transfer_id)
+        if kind == wire.BEGIN:
+            with self._lock:
+                reservation = self._reservations.get(transfer_id)
+            if reservation is not None and reservation.session == session_id:
+                self._send(self._control_identity(identity), [wire.ACK, transfer_id.encode(), _BEGUN])
+
+    def _reservation_ended(self, reservation: Reservation, error: TransferError) -> None:
+        """Fence the sender's QP if it may still be writing into these blocks (see the docstring)."""
+        session_id = reservation.session
+        if session_id is None or reservation.transfer_id in self._sender_quiet:
+            return  # unclaimed: no sender was told it may write; quiet: its WRITEs all completed
+        why = f"transfer {reservation.transfer_id} failed here ({error.reason}) while the sender could still write"
+        with self._rdma_lock:
+            qp = self._qps.pop(session_id, None)
+            if qp is None:
+                return  # already fenced, or the session is gone (its QP destroyed)
+            try:
+                self._verbs.fence(qp)
+            except TransferError as exc:
+                log.error("KV receiver: could not move a queue pair to ERR (%s); destroying it", exc.message)
+            self._verbs.close_qp(qp)
+            self._fenced[session_id] = why
+            self._fence_queue.append((session_id, why))
+            self._fenced_transfers[reservation.transfer_id] = why
+        log.warning("KV receiver %s fenced an rdma sender: %s", self.address, why)
+        self._wakeup.set()  # the I/O thread fails the session's other transfers
+
+    def _expire(self) -> None:
+        super()._expire()
+        while True:
+            with self._rdma_lock:
+                if not self._fence_queue:
+                    return
+                session_id, why = self._fence_queue.pop(0)
+            session = self._sessions.get(session_id)
+            with self._rdma_lock:
+                self._fenced_transfers.clear()  # their FAILED went out (or none will: cancel())
+            if session is not None:
+                self._send(session.control, self._fenced_msg("", why))
+            with self._lock:
+                others = [r for r in self._reservations.values() if r.session == session_id]
+            for reservation in others:
+                self._fail(reservation, TransferError(PEER_LOST, f"the sender's rdma connection was fenced: {why}",
+                                                      reservation.transfer_id), None)
+
+    def _failed_msg(self, transfer_id: str, error: TransferError) -> list[bytes]:  # type: ignore[override]
+        """FAILED; for the transfer that got its sender fenced, saying so (the sender reconnects at once)."""
+        with self._rdma_lock:
+            why = self._fenced_transfers.pop(transfer_id, None)
+        if why is None:
+            return super()._failed_msg(transfer_id, error)
+        return wire.encode_control(wire.FAILED, {"transfer_id": transfer_id, **error.to_wire(), "fenced": True})
+
+    @staticmethod
+    def _fenced_msg(transfer_id: str, why: str) -> list[bytes]:
+        return wire.encode_control(wire.FAILED, {"transfer_id": transfer_id, "reason": PEER_LOST, "fenced": True,
+                                                 "message": f"this rdma connection was fenced ({why}); reconnect"})
 
     def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
         pieces = msg.get("pieces")
@@ -209,92 +251,303 @@ class RdmaReceiver(TcpReceiver):
                                                   reservation.transfer_id), None)
 
 
+# --- prefill side ---------------------------------------------------------------------------
+
 class RdmaConnection(TcpConnection):
-    """One RC QP to a receiver; the zmq socket carries only control messages."""
+    """One RC QP to a receiver; the zmq socket carries only control messages.
+
+    Locks: `cv` (TcpConnection's) guards the bookkeeping below; `_qp_lock` serialises every verb
+    on the QP (post, poll, fence, close). Never take `_qp_lock` while holding `cv`.
+    """
 
     transport = "rdma"
 
     def __init__(self, sender: RdmaSender, address: str) -> None:
         self._verbs = sender.verbs
-        self._qp, self._cq, self._psn = self._verbs.new_qp()
-        self._cq_lock = threading.Lock()
+        self._drain_s = sender.drain_timeout_s
+        self._qp_lock = threading.Lock()
+        self._qp_closed = False
         self._next_wr = 0
         self._outstanding: dict[int, OutgoingTransfer] = {}  # wr_id -> transfer
+        self._writes: dict[str, int] = {}  # transfer_id -> WRITEs not yet completed
+        self._held: dict[str, tuple[dict[str, Any], float]] = {}  # ABORTs waiting for WRITEs (body, until)
         self._pieces: dict[str, list[list[Any]]] = {}
-        super().__init__(sender, address)
+        self._begun: set[str] = set()  # transfers the receiver claimed for us
+        self._peer_gone = False
+        self._qp = self._verbs.new_qp(True)
+        try:
+            super().__init__(sender, address)
+        except BaseException:
+            self._close_qp()
+            raise
 
     def _hello_extra(self) -> dict[str, Any]:
-        return {"rdma": self._verbs.endpoint(self._qp, self._psn)}
+        return {"rdma": self._verbs.endpoint(self._qp)}
 
     def _on_welcome(self, reply: dict[str, Any]) -> None:
         remote = reply.get("rdma")
         if not isinstance(remote, dict):
             raise TransferError(UNAVAILABLE, f"the receiver at {self.address} is not an rdma receiver")
-        self._verbs.connect(self._qp, self._psn, remote)
-        self._remote_base, self._rkey = int(remote["addr"]), int(remote["rkey"])
+        try:
+            with self._qp_lock:
+                self._verbs.connect(self._qp, remote)
+            self._remote_base, self._rkey = int(remote["addr"]), int(remote["rkey"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise TransferError(UNAVAILABLE, f"the receiver at {self.address} sent a malformed RDMA endpoint: "
+                                f"{exc!r}") from exc
+        self._local_base = self._verbs.base
+
+    # --- data path (the caller's thread) --------------------------------------------------------
 
     def transmit(self, transfer: OutgoingTransfer, layer: int, src: list[int], dst: list[int]) -> None:
+        tid = transfer.transfer_id
+        with self.cv:
+            begun = tid in self._begun
+        if not begun:
+            self.wait(transfer, lambda _state: tid in self._begun, "before the receiver accepted the transfer")
+        if self.kv_cache.is_cuda:  # the NIC must not read blocks the GPU is still writing
+            torch.cuda.synchronize(self.kv_cache.device)
+        self._reap()  # notice a failed WRITE early
         for kind in (wire.K, wire.V):
             self._write(transfer, layer, kind, src, dst)
+        with self.cv:
+            transfer._state.next_seq += 1  # frames, as tcp counts them (K and V together)
 
     def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: list[int], dst: list[int]) -> None:
         unit = self.layout.bytes_per_block_layer_kv
-        src_list, dst_list = src, dst
-        start = 0
-        for _first, length in ascending_runs(dst):  # split further where the source is not contiguous
-            for s_first, s_length in ascending_runs(src_list[start:start + length]):
-                d_first = dst_list[start]
-                wr_id = self._post_slot(transfer)
-                self._qp.post_send(write_request(
-                    self._verbs.m, wr_id,
-                    self._verbs.base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
-                    s_length * unit, self._verbs.mr.lkey, self._rkey,
-                    self._remote_base + _offset(self.layout, self.remote_blocks, layer, kind, d_first)))
-                start += s_length
-        pieces = self._pieces.setdefault(transfer.transfer_id, [])
+        for s_first, d_first, count in paired_runs(src, dst):
+            wr_id = self._post_slot(transfer)
+            self._post(transfer, wr_id, self._local_base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
+                       count * unit, self._remote_base + _offset(self.layout, self.remote_blocks, layer, kind, d_first))
         payload = read_blocks(self.kv_cache, layer, kind, src)
-        ids = struct.pack(f"<{len(dst_list)}i", *dst_list)
-        digest = wire.frame_digest(len(pieces), layer, kind, len(dst_list), len(payload), transfer.raw_id, ids,
-                                   payload)
-        pieces.append([layer, kind, dst_list, list(digest)])
         with self.cv:
-            transfer._state.next_seq += 1
-            transfer._state.bytes_sent += len(payload)
+            seq = len(self._pieces.get(transfer.transfer_id, ()))
+        ids = struct.pack(f"<{len(dst)}i", *dst)
+        digest = wire.frame_digest(seq, layer, kind, len(dst), len(payload), transfer.raw_id, ids, payload)
+        with self.cv:
+            if transfer._state.error is None:  # a failed transfer's pieces are dropped, not kept
+                self._pieces.setdefault(transfer.transfer_id, []).append([layer, kind, dst, list(digest)])
+                transfer._state.bytes_sent += len(payload)
 
     def _post_slot(self, transfer: OutgoingTransfer) -> int:
+        """A work request id, once fewer than QP_DEPTH WRITEs are outstanding on this QP."""
         while True:
-            with self._cq_lock:
-                if len(self._outstanding) < _QP_DEPTH:
+            with self.cv:
+                if transfer._state.error is not None:
+                    raise transfer._state.error
+                if len(self._outstanding) < QP_DEPTH:
                     self._next_wr += 1
                     self._outstanding[self._next_wr] = transfer
+                    self._writes[transfer.transfer_id] = self._writes.get(transfer.transfer_id, 0) + 1
                     return self._next_wr
-            self._reap(transfer)
+            self._wait_a_little(transfer, "waiting for RDMA completions")
 
-    def _reap(self, transfer: OutgoingTransfer) -> None:
-        """Poll completions once; a failed WRITE fails its transfer (the QP is then unusable)."""
+    def _post(self, transfer: OutgoingTransfer, wr_id: int, local: int, length: int, remote: int) -> None:
+        failure: TransferError | None = None
+        with self._qp_lock:
+            refused = transfer._state.error or self._broken or (
+                TransferError(CLOSED, "the connection is closed", transfer.transfer_id) if self._qp_closed else None)
+            if refused is None:
+                try:
+                    self._verbs.post_write(self._qp, wr_id, local, length, remote, self._rkey)
+                    return
+                except TransferError as exc:
+                    failure = exc
+        with self.cv:
+            self._write_done_locked(wr_id)  # never posted: free its slot
+        if failure is not None:
+            self._break(TransferError(failure.reason, f"could not post an RDMA WRITE to {self.address}: "
+                                      f"{failure.message}"))
+        raise transfer._state.error or refused or TransferError(PEER_LOST, "the connection broke", transfer.transfer_id)
+
+    def _wait_a_little(self, transfer: OutgoingTransfer, what: str) -> None:
+        """Enforce the deadline, reap completions, and sleep briefly when there were none."""
         if time.monotonic() >= transfer.deadline:
-            self.fail(transfer, TransferError(TIMEOUT, "deadline passed waiting for RDMA completions",
-                                              transfer.transfer_id), tell_receiver=True)
-        if transfer.error is not None:
-            raise transfer.error
-        with self._cq_lock:
-            count, completions = self._cq.poll(num_entries=64)
-            for wc in completions[:count]:
-                owner = self._outstanding.pop(wc.wr_id, None)
-                if owner is not None and wc.status != self._verbs.e.IBV_WC_SUCCESS:
-                    self.fail(owner, TransferError(PEER_LOST, f"RDMA WRITE failed with status {wc.status}",
-                                                   owner.transfer_id), tell_receiver=True)
-        if count == 0:
-            time.sleep(0.0001)
+            self.fail(transfer, TransferError(TIMEOUT, f"deadline passed {what}", transfer.transfer_id),
+                      tell_receiver=True)
+            return
+        if self._reap() == 0:
+            self.poll_replies()  # the receiver may have failed it meanwhile
+            time.sleep(0.0002)
 
     def prepare_finish(self, transfer: OutgoingTransfer) -> dict[str, Any]:
+        """Wait until every WRITE of the transfer completed: FINISH promises nothing more is coming."""
         while True:
-            with self._cq_lock:
-                pending = any(owner is transfer for owner in self._outstanding.values())
-            if not pending:
+            with self.cv:
+                if transfer._state.error is not None:
+                    raise transfer._state.error
+                if not self._writes.get(transfer.transfer_id):
+                    return {"pieces": self._pieces.pop(transfer.transfer_id, [])}
+            self._wait_a_little(transfer, "waiting for RDMA completions")
+
+    # --- completions, fencing ------------------------------------------------------------------
+
+    def _reap(self) -> int:
+        """Poll the completion queue once; an error completion breaks the connection."""
+        failure: TransferError | None = None
+        with self._qp_lock:
+            if self._qp_closed:
+                return 0
+            try:
+                completions = self._verbs.poll(self._qp, _POLL_BATCH)
+            except TransferError as exc:
+                completions, failure = [], exc
+        with self.cv:
+            bad = next((c for c in completions if c.reason is not None), None)
+            if bad is not None:  # before any held ABORT is released: those must now fence
+                failure = TransferError(bad.reason or PEER_LOST, f"an RDMA WRITE to {self.address} failed: {bad.status}")
+                self._break_locked(failure)
+            for completion in completions:
+                self._write_done_locked(completion.wr_id)
+            if completions:
+                self.cv.notify_all()
+        if failure is not None:
+            self._break(failure)
+        return len(completions)
+
+    def _write_done_locked(self, wr_id: int) -> None:
+        owner = self._outstanding.pop(wr_id, None)
+        if owner is None:
+            return
+        tid = owner.transfer_id
+        left = self._writes.get(tid, 1) - 1
+        if left:
+            self._writes[tid] = left
+            return
+        self._writes.pop(tid, None)
+        held = self._held.pop(tid, None)
+        if held is not None:
+            self._queue_abort_locked(held[0])
+
+    def _queue_abort_locked(self, body: dict[str, Any]) -> None:
+        if not self._peer_gone:
+            self._outbox.append(wire.encode_control(wire.ABORT, body))
+            self._wakeup.set()
+
+    def _fail_locked(self, transfer: OutgoingTransfer, error: TransferError, tell_receiver: bool) -> None:
+        state = transfer._state
+        if state.error is not None or state.done:
+            return
+        super()._fail_locked(transfer, error, False)  # the ABORT is ours to send (or hold) below
+        self._pieces.pop(transfer.transfer_id, None)
+        if not tell_receiver:
+            return
+        body: dict[str, Any] = {"transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}
+        if self._broken is not None:  # our QP is fenced; the receiver must fence its side before freeing
+            body["fence"] = True
+            self._queue_abort_locked(body)
+        elif self._writes.get(transfer.transfer_id):
+            self._held[transfer.transfer_id] = (body, time.monotonic() + self._drain_s)
+            self._wakeup.set()  # the I/O thread reaps until they complete
+        else:
+            self._queue_abort_locked(body)
+
+    def _release_locked(self, transfer: OutgoingTransfer) -> None:
+        super()._release_locked(transfer)
+        self._begun.discard(transfer.transfer_id)
+
+    def _break_locked(self, error: TransferError) -> None:
+        """The QP is unusable (error completion, WRITEs that never completed, a fencing receiver):
+        fail every transfer on it; TcpSender.connect() makes a new connection (alive is False)."""
+        if self._broken is None:
+            log.error("KV sender: rdma connection to %s broken: %s", self.address, error.message)
+            self._broken = error
+        for body, _until in self._held.values():
+            body["fence"] = True
+            self._queue_abort_locked(body)
+        self._held.clear()
+        for transfer in list(self._transfers.values()):
+            self._fail_locked(transfer, TransferError(error.reason, error.message, transfer.transfer_id), True)
+
+    def _break(self, error: TransferError) -> None:
+        with self.cv:
+            self._break_locked(error)
+        self._fence()
+
+    def _fence(self) -> None:
+        with self._qp_lock:
+            if self._qp_closed:
+                return
+            try:
+                self._verbs.fence(self._qp)
+            except TransferError as exc:
+                log.error("KV sender: could not move the queue pair to %s to ERR: %s", self.address, exc.message)
+
+    def _close_qp(self) -> None:
+        with self._qp_lock:
+            if not self._qp_closed:
+                self._qp_closed = True
+                self._verbs.close_qp(self._qp)
+
+    # --- control replies and the I/O thread -----------------------------------------------------
+
+    def _on_reply(self, parts: list[bytes]) -> None:
+        if parts[0] == wire.ACK and len(parts) == 3 and parts[2] == _BEGUN:
+            with self.cv:
+                transfer_id = parts[1].decode(errors="replace")
+                if transfer_id in self._transfers:
+                    self._begun.add(transfer_id)
+                self.cv.notify_all()
+            return
+        if parts[0] == wire.FAILED and len(parts) == 2:
+            msg = wire.decode_control(parts[1])
+            if msg.get("fenced"):
+                super()._on_reply(parts)  # the transfer it names fails with the receiver's reason
+                self._break(TransferError(PEER_LOST, f"the KV receiver at {self.address} fenced this rdma "
+                                          f"connection: {msg.get('message', '')}"))
+                return
+        super()._on_reply(parts)
+
+    @property
+    def alive(self) -> bool:
+        self.poll_replies()  # a fencing notice that already arrived counts
+        return super().alive
+
+    def _peer_lost(self) -> None:
+        with self.cv:
+            self._peer_gone = True
+            self._held.clear()
+        super()._peer_lost()
+        self._fence()
+
+    def _poll_timeout_ms(self) -> int:
+        timeout = super()._poll_timeout_ms()
+        return min(timeout, 2) if self._held else timeout  # (under cv) reap soon while ABORTs wait
+
+    def _expire(self) -> None:
+        super()._expire()
+        with self.cv:
+            waiting = bool(self._held)
+        if not waiting:
+            return
+        self._reap()
+        now = time.monotonic()
+        with self.cv:
+            late = [tid for tid, (_body, until) in self._held.items() if now >= until]
+            if late:
+                self._break_locked(TransferError(PEER_LOST, f"RDMA WRITEs of transfer {late[0]} did not complete "
+                                                 f"within {self._drain_s:g}s after it failed; fencing the connection"))
+        if late:
+            self._fence()
+
+    def close(self) -> None:
+        with self.cv:
+            if self._closing:
+                return
+            for transfer in list(self._transfers.values()):
+                self._fail_locked(transfer, TransferError(CLOSED, "the sender was closed", transfer.transfer_id), True)
+        until = time.monotonic() + self._drain_s
+        while True:  # let held ABORTs go out before the I/O thread stops
+            with self.cv:
+                if not self._held:
+                    break
+            if time.monotonic() >= until:
+                self._expire()  # breaks the connection: fencing ABORTs instead
                 break
-            self._reap(transfer)
-        return {"pieces": self._pieces.pop(transfer.transfer_id, [])}
+            if self._reap() == 0:
+                time.sleep(0.001)
+        super().close()
+        self._close_qp()
 
 
 class RdmaSender(TcpSender):
@@ -303,11 +556,19 @@ class RdmaSender(TcpSender):
     transport = "rdma"
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
-                 connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None,
-                 keys: KVKeys | None = None, **_tcp_only: Any) -> None:
-        self.verbs = _Verbs(kv_cache, remote_write=False)
-        super().__init__(layout, kv_cache, layout_tag=layout_tag, streams=1, connect_timeout_s=connect_timeout_s,
-                         telemetry=telemetry, keys=keys)
+                 frame_bytes: int = 2 << 20, connect_timeout_s: float = 5.0,
+                 telemetry: TransferTelemetry | None = None, keys: KVKeys | None = None,
+                 verbs_factory: VerbsFactory | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
+                 **_tcp_only: Any) -> None:
+        check_cache(layout, kv_cache)  # before anything is registered
+        self.drain_timeout_s = check_deadline(drain_timeout_s)
+        self.verbs = (verbs_factory or PyverbsVerbs)(kv_cache, False)
+        try:
+            super().__init__(layout, kv_cache, layout_tag=layout_tag, streams=1, frame_bytes=frame_bytes,
+                             connect_timeout_s=connect_timeout_s, telemetry=telemetry, keys=keys)
+        except BaseException:
+            self.verbs.close()
+            raise
 
     def _open(self, address: str) -> TcpConnection:
         return RdmaConnection(self, address)

@@ -1,14 +1,22 @@
 """Can RDMA run here? Device discovery that works with or without pyverbs.
 
 Reads /sys/class/infiniband (devices, ports, their state and link layer) and, when pyverbs
-is importable, asks libibverbs too. Every "no" comes with a reason in plain words, which
-`tandem doctor` prints and `auto` logs when it falls back to tcp.
+is importable, asks libibverbs too and opens the chosen device (context, port, a usable GID).
+Every "no" comes with a reason in plain words, which `tandem doctor` prints and `auto` logs
+when it falls back to tcp.
+
+Settings (environment, read when a probe or an rdma transport starts):
+- TANDEM_RDMA_DEVICE: the device, or device and port, to use ("mlx5_0" or "mlx5_0:1"); by default
+  the first ACTIVE port of the first device (sorted by name).
+- TANDEM_RDMA_GID_INDEX: the GID table index to use; by default chosen by type (choose_gid_index).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -16,6 +24,8 @@ from types import ModuleType
 from .errors import UNAVAILABLE, TransferError
 
 SYSFS_ROOT = Path("/sys/class/infiniband")
+DEVICE_ENV = "TANDEM_RDMA_DEVICE"
+GID_INDEX_ENV = "TANDEM_RDMA_GID_INDEX"
 PYVERBS_MISSING = "RDMA unavailable: pyverbs not installed (pip install 'tandem[rdma]', see docs/transfer.md)"
 
 
@@ -106,6 +116,103 @@ def probe(root: Path = SYSFS_ROOT) -> RdmaProbe:
     if not devices:
         return RdmaProbe(False, "libibverbs lists no RDMA device (driver or provider library missing?)",
                          ports, version, pyverbs_problem)
-    best = active[0]
-    return RdmaProbe(True, f"RDMA device {best.device} port {best.port} is ACTIVE ({best.link_layer}, "
-                     f"{best.rate})", ports, version, pyverbs_problem)
+    chosen = pick_port(active, os.environ.get(DEVICE_ENV, ""))
+    if isinstance(chosen, str):
+        return RdmaProbe(False, chosen, ports, version, pyverbs_problem)
+    if chosen.device not in {_device_name(d) for d in devices}:
+        return RdmaProbe(False, f"sysfs lists {chosen.device} but libibverbs does not (provider library "
+                         "missing?)", ports, version, pyverbs_problem)
+    problem, gid_index = open_device(chosen)
+    if problem is not None:
+        return RdmaProbe(False, problem, ports, version, pyverbs_problem)
+    return RdmaProbe(True, f"RDMA device {chosen.device} port {chosen.port} is ACTIVE ({chosen.link_layer}, "
+                     f"{chosen.rate}; GID index {gid_index})", ports, version, pyverbs_problem)
+
+
+def _device_name(device: object) -> str:
+    name = getattr(device, "name", b"")
+    return name.decode() if isinstance(name, bytes) else str(name)
+
+
+def pick_port(active: Sequence[RdmaPort], setting: str) -> RdmaPort | str:
+    """The ACTIVE port TANDEM_RDMA_DEVICE names ("mlx5_0" or "mlx5_0:1"), else the first; or why none fits."""
+    setting = setting.strip()
+    if not setting:
+        return active[0]
+    device, _, port = setting.partition(":")
+    if port and not port.isdigit():
+        return f"{DEVICE_ENV}={setting!r} is not DEVICE or DEVICE:PORT (for example mlx5_0 or mlx5_0:1)"
+    for candidate in active:
+        if candidate.device == device and (not port or candidate.port == int(port)):
+            return candidate
+    names = ", ".join(f"{p.device}:{p.port}" for p in active)
+    return f"{DEVICE_ENV}={setting!r} names no ACTIVE port (ACTIVE: {names})"
+
+
+GidEntry = tuple[int, str, str]  # (index, "xxxx:...:xxxx", "roce_v1" (also IB) | "roce_v2")
+_ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
+_IPV4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
+
+
+def choose_gid_index(gids: Sequence[GidEntry], link_layer: str, override: int | None = None) -> int:
+    """The GID index to use: `override` if given; on InfiniBand index 0; on Ethernet (RoCE) an
+    IPv4-mapped RoCEv2 GID, else any RoCEv2 GID, else the first non-zero one (v1 does not cross
+    routers). Raises TransferError(UNAVAILABLE) when nothing usable is there."""
+    present = [g for g in gids if g[1] != _ZERO_GID]
+    if override is not None:
+        if not any(index == override for index, _gid, _type in present):
+            raise TransferError(UNAVAILABLE, f"{GID_INDEX_ENV}={override} is not a populated GID index "
+                                f"(populated: {[g[0] for g in present]})")
+        return override
+    if not present:
+        raise TransferError(UNAVAILABLE, "the RDMA port has no usable (non-zero) GID; on RoCE, give the "
+                            "netdev an IP address")
+    if link_layer != "Ethernet":
+        return 0 if any(g[0] == 0 for g in present) else present[0][0]
+    v2 = [g for g in present if g[2] == "roce_v2"]
+    mapped = [g for g in v2 if g[1].startswith(_IPV4_MAPPED)]
+    return (mapped or v2 or present)[0][0]
+
+
+def gid_index_override() -> int | None:
+    """TANDEM_RDMA_GID_INDEX as an int, None when unset; raises TransferError(UNAVAILABLE) when malformed."""
+    value = os.environ.get(GID_INDEX_ENV, "").strip()
+    if not value:
+        return None
+    if not value.isdigit():
+        raise TransferError(UNAVAILABLE, f"{GID_INDEX_ENV}={value!r} is not a GID table index")
+    return int(value)
+
+
+def read_gids(ctx: object, port: int, table_len: int, v2: int) -> list[GidEntry]:
+    """The port's GID table through a pyverbs Context (entries that fail to read are left out);
+    v2 is pyverbs' ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2."""
+    found = []
+    for index in range(table_len):
+        try:
+            gid = str(ctx.query_gid(port, index).gid)  # type: ignore[attr-defined]
+            kind = ctx.query_gid_type(port, index)  # type: ignore[attr-defined]
+        except Exception:  # unpopulated entries raise on some providers
+            continue
+        found.append((index, gid, "roce_v2" if kind == v2 else "roce_v1"))  # IB GIDs report the v1 type
+    return found
+
+
+def open_device(port: RdmaPort) -> tuple[str | None, int | None]:
+    """Open the device and pick a GID as the transport will: (problem or None, GID index)."""
+    device = importlib.import_module("pyverbs.device")
+    try:
+        ctx = device.Context(name=port.device)
+    except Exception as exc:
+        return f"cannot open RDMA device {port.device} (is /dev/infiniband available?): {exc}", None
+    try:
+        attr = ctx.query_port(port.port)
+        enums = importlib.import_module("pyverbs.libibverbs_enums")
+        gids = read_gids(ctx, port.port, int(attr.gid_tbl_len), enums.ibv_gid_type_sysfs.IBV_GID_TYPE_SYSFS_ROCE_V2)
+        return None, choose_gid_index(gids, port.link_layer, gid_index_override())
+    except TransferError as exc:
+        return f"RDMA device {port.device} port {port.port}: {exc.message}", None
+    except Exception as exc:
+        return f"cannot query RDMA device {port.device} port {port.port}: {exc}", None
+    finally:
+        ctx.close()

@@ -143,6 +143,9 @@ class TcpReceiver:
             reservation = self._reservations.pop(transfer_id, None)
             if reservation is not None:
                 self._remember(transfer_id, TransferError(ABORTED, "the receiver cancelled the transfer"))
+        if reservation is not None:
+            self._reservation_ended(reservation, TransferError(ABORTED, "the receiver cancelled the transfer",
+                                                               transfer_id))
         if reservation is not None and reason is not None:
             log.warning("KV transfer %s given up by the receiver (%s): %d of %d pieces had arrived", transfer_id,
                         reason, reservation.received, reservation.received + reservation.missing)
@@ -268,6 +271,11 @@ class TcpReceiver:
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
         return {}
+
+    def _reservation_ended(self, reservation: Reservation, error: TransferError) -> None:
+        """A reservation failed or was cancelled: runs before on_done / before cancel() returns, on the
+        I/O thread or cancel()'s caller. rdma fences the sender's queue pair here (tcp: nothing to do,
+        frames are written only while their reservation exists)."""
 
     def _session_closed(self, session_id: str) -> None:
         """A sender went away (rdma frees its queue pair here)."""
@@ -397,6 +405,7 @@ class TcpReceiver:
             if self._reservations.pop(reservation.transfer_id, None) is None:
                 return
             self._remember(reservation.transfer_id, error)
+        self._reservation_ended(reservation, error)
         log.warning("KV transfer %s failed on the receiver: %s", reservation.transfer_id, error)
         self.telemetry.failed(self.transport, error.reason)
         session = self._sessions.get(reservation.session or "")
