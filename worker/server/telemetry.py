@@ -16,6 +16,7 @@ class Telemetry:
     def __init__(self, model: str, role: str, pool: str, defs: tuple[m.MetricDef, ...] = m.ALL_WORKER_METRICS) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self._common = {m.LABEL_MODEL: model, m.LABEL_ROLE: role, m.LABEL_POOL: pool}
+        self.defs = defs
         self._collectors: dict[str, MetricWrapperBase] = {}
         for d in defs:
             self._collectors[d.name] = self._make(d)
@@ -33,6 +34,10 @@ class Telemetry:
     def _child(self, d: m.MetricDef, extra: dict[str, str]) -> MetricWrapperBase:
         labels = {**self._common, **extra}
         return self._collectors[d.name].labels(**{k: labels[k] for k in d.labels})
+
+    def initialise(self, d: m.MetricDef, **extra: str) -> None:
+        """Export this series now, at 0, before its first event (so rate() and dashboards see 0, not no data)."""
+        self._child(d, extra)
 
     def set(self, d: m.MetricDef, value: float, **extra: str) -> None:
         self._child(d, extra).set(value)  # type: ignore[attr-defined]

@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 # Registered by TransferTelemetry, in this worker's registry (see _start_transport).
 TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
+# The finish reasons tandem_requests_total counts on each role (the engine's finish_reason): a prefill
+# worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
+FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}
 
 
 class Rejected(Exception):
@@ -56,6 +59,7 @@ class WorkerServer:
         self.model_name = cfg.model_name or cfg.model_dir.name
         own = tuple(d for d in m.ALL_WORKER_METRICS if d not in TRANSFER_METRICS)
         self.telemetry = Telemetry(self.model_name, cfg.role, cfg.pool, own)
+        self._initialise_series()
         self.transfer_telemetry: Any = None
         self.engine: Any = None
         self.loop: EngineLoop | None = None
@@ -70,6 +74,14 @@ class WorkerServer:
         self._sender: Any = None
         self._prefix_seen = (0, 0)
         self._stopped = threading.Event()
+
+    def _initialise_series(self) -> None:
+        """Export this worker's series at 0 from the start: rate() and dashboards get 0, not "no data"."""
+        for d in self.telemetry.defs:
+            if d.labels == m.COMMON_LABELS and d is not m.MIGRATIONS:  # migrations are the router's
+                self.telemetry.initialise(d)
+        for reason in FINISH_REASONS[self.cfg.role]:
+            self.telemetry.initialise(m.REQUESTS, reason=reason)
 
     # --- loading ---
     @property
@@ -118,30 +130,36 @@ class WorkerServer:
                  layout_hash, engine.stats().num_total_blocks)
 
     def _start_transport(self, engine: Any) -> None:
-        from tandem.worker.transfer.select import choose_transport, make_receiver, make_sender
+        from tandem.worker.transfer.select import make_receiver, make_sender
         from tandem.worker.transfer.telemetry import TransferTelemetry
 
         cfg = self.cfg
         # The worker's own registry (once per process), so the transfer series are on its /metrics.
         self.transfer_telemetry = TransferTelemetry(self.telemetry.registry, model=self.model_name, role=cfg.role,
                                                     pool=cfg.pool)
-        # Raises TransferError(unavailable) with the reason when rdma is asked for and cannot run here.
-        kind, why = choose_transport(cfg.transport, self.transfer_telemetry)
-        self.transport = kind
-        log.info("KV transport: %s (%s)", kind, why)
         layout = engine.kv_layout
         if cfg.keys is not None:
             log.info("KV transfer: secure (CURVE; peers must hold the keys in %s)", cfg.kv_keys)
+        # make_receiver/make_sender resolve the transport the user asked for (auto, tcp or rdma) and log
+        # the choice and its reason once; the transport in use is the built object's. They raise
+        # TransferError(unavailable) with the reason when rdma is asked for and cannot run here.
         if cfg.role == "decode":
-            self._receiver = make_receiver(kind, layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
+            self._receiver = make_receiver(cfg.transport, layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
                                            telemetry=self.transfer_telemetry, keys=cfg.keys)
+            self.transport = str(self._receiver.transport)
             scheme, _, port = self._receiver.address.rpartition(":")
             self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
             self.intake = KVIntake(self._receiver, self._cancel_reservation)
+            direction = "recv"
         else:
-            self._sender = make_sender(kind, layout, engine.kv_cache, telemetry=self.transfer_telemetry, keys=cfg.keys)
+            self._sender = make_sender(cfg.transport, layout, engine.kv_cache, telemetry=self.transfer_telemetry,
+                                       keys=cfg.keys)
+            self.transport = str(self._sender.transport)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
             engine.set_layer_callback(self.shipper.on_layer)
+            direction = "send"
+        # Every failure reason (and the byte/latency series) at 0, so dashboards see 0 rather than no data.
+        self.transfer_telemetry.initialise(self.transport, direction)
 
     def _advertised_host(self) -> str:
         if self.cfg.kv_host:

@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from tandem.worker import metrics as m
 
+from .errors import REASONS
+
 
 class TransferTelemetry:
     def __init__(self, registry: CollectorRegistry | None = None, *, model: str = "", role: str = "",
@@ -39,6 +41,16 @@ class TransferTelemetry:
         """Mark `transport` as the one in use (1) and the others as not (0)."""
         for kind in ("tcp", "rdma"):
             self._transport.labels(**self._labels, **{m.LABEL_TRANSPORT: kind}).set(int(kind == transport))
+
+    def initialise(self, transport: str, *directions: str) -> None:
+        """Export this transport's series at 0 before the first transfer: a failure count for every reason
+        in errors.REASONS, and bytes and durations for each direction (send on prefill, recv on decode)."""
+        for reason in sorted(REASONS):
+            self._failures.labels(**self._labels, **{m.LABEL_TRANSPORT: transport, m.LABEL_REASON: reason})
+        for direction in directions:
+            labels = {**self._labels, m.LABEL_TRANSPORT: transport, m.LABEL_DIRECTION: direction}
+            self._bytes.labels(**labels)
+            self._seconds.labels(**labels)
 
     def failures(self, transport: str, reason: str) -> float:
         """Current failure count (for tests and `tandem doctor`)."""

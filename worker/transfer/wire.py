@@ -25,7 +25,7 @@ from tandem.worker.kv.layout import KVLayout
 
 from .errors import LAYOUT_MISMATCH, VERSION_MISMATCH, TransferError
 
-PROTOCOL_VERSION = 3  # 3: acknowledgements only on request (header flags); 2: XXH3-128 digest; 1: CRC32
+PROTOCOL_VERSION = 4  # 4: rdma receivers answer BEGIN with a "begun" ACK (seq 2**64-1) before WRITEs; 3: acknowledgements only on request (header flags); 2: XXH3-128 digest; 1: CRC32
 
 # Message kinds (first part of every message).
 HELLO = b"H"  # sender -> receiver: versions, layout hash, session id
