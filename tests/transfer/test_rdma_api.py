@@ -2,7 +2,7 @@
 
 Without an RDMA device nothing can be registered or connected, but pyverbs' own objects (QP
 attributes, address handles, work requests) can be built: these tests build exactly the ones
-rdma.py posts, so a renamed class or keyword fails here rather than on the first RDMA machine.
+rdma_verbs.py posts, so a renamed class or keyword fails here rather than on the first RDMA machine.
 Where pyverbs does not import (the default here: see hack/build_pyverbs.sh), they skip and say why.
 """
 

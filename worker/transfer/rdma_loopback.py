@@ -2,7 +2,7 @@
 
 This machine has no RDMA device (its kernel has no InfiniBand support), so the rdma transport's
 own logic (handshake fields, posting, completions, piece digests, fencing, errors) is tested here
-against this stand-in: LoopbackVerbs implements rdma.Verbs inside one process.
+against this stand-in: LoopbackVerbs implements rdma_verbs.Verbs inside one process.
 
 What it does:
 - queue pairs get process-unique numbers and connect by number, only to queue pairs created in
@@ -71,7 +71,7 @@ class _QueuePair:
 
 
 class LoopbackVerbs:
-    """rdma.Verbs over an in-process emulated network (see the module docstring): tests only."""
+    """rdma_verbs.Verbs over an in-process emulated network (see the module docstring): tests only."""
 
     def __init__(self, kv_cache: torch.Tensor, remote_write: bool, *, mtu: int = 5,
                  retry_timeout_s: float = 0.2) -> None:
