@@ -31,6 +31,7 @@ def test_bench_reports_latencies_and_writes_json(mono: Stack, tmp_path: Path) ->
                  "--output-tokens", "4", "--slo-ttft", "30", "--slo-itl", "30", "--json", str(out))
     assert res.returncode == 0, res.stdout + res.stderr
     assert "TTFT" in res.stdout and "goodput" in res.stdout
+    assert "all 6 requests at once (--rate 0)" in res.stdout
     summary = json.loads(out.read_text())["summary"]
     assert (summary["completed"], summary["failed"]) == (6, 0)
     assert summary["output_tokens"] == 24
@@ -59,6 +60,22 @@ def test_bench_replays_a_scaled_trace(mono: Stack, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["summary"]["completed"] == 5
     assert any("azure_llm_2023_code.csv" in n and "arrival times x" in n for n in data["notes"])
+
+
+def test_bench_exits_1_when_the_server_refuses_every_request(mono: Stack) -> None:
+    # 3000-token prompts do not fit the tiny model's 2048-token context: the real router answers 400.
+    res = tandem("bench", "--url", mono.url, "-n", "3", "--rate", "0", "--prompt-tokens", "3000",
+                 "--output-tokens", "2")
+    assert res.returncode == 1, res.stdout + res.stderr
+    out = " ".join(res.stdout.split())  # rich wraps long lines
+    assert "0 completed, 3 failed" in out
+    assert "bench failed: all 3 requests failed; the first error: HTTP 400" in out
+    assert "context_length_exceeded" in "".join(out.split())  # the server's own error, first of the 3
+
+
+def test_bench_refuses_a_negative_rate() -> None:
+    res = tandem("bench", "--url", "http://127.0.0.1:1", "--rate", "-2")
+    assert res.returncode == 2 and "is not a request rate" in res.stderr
 
 
 def test_bench_refuses_a_bad_url() -> None:

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from tandem.worker.bench.client import RequestResult
 from tandem.worker.bench.stats import PERCENTILES, Summary
 
 
@@ -50,3 +51,17 @@ def print_summary(console: Console, summary: Summary, title: str, notes: list[st
 
 def write_json(path: Path, summary: Summary, config: dict[str, Any], notes: list[str]) -> None:
     path.write_text(json.dumps({"config": config, "notes": notes, "summary": summary.as_dict()}, indent=2))
+
+
+def overall_failure(results: list[RequestResult], planned: int) -> str | None:
+    """Why the run as a whole failed (`tandem bench` then exits 1), or None when a request completed.
+
+    Some failed requests are a result worth reporting (exit 0, the failed count is in the summary);
+    none completed means the numbers measure nothing, so the exit status says so.
+    """
+    if any(r.ok for r in results):
+        return None
+    if not results:
+        return f"none of the {planned} requests was sent (their send times were past --max-duration)"
+    first = next((r.error for r in results if r.error), "no error message")
+    return f"all {len(results)} requests failed; the first error: {first}"

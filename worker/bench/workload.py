@@ -40,11 +40,16 @@ class TraceRow:
     hash_ids: list[int]
 
 
+def all_at_once(rate: float) -> bool:
+    """`rate` (req/s) 0 or infinite: send every request at the start (as fast as the server takes them)."""
+    return rate <= 0 or math.isinf(rate)
+
+
 def arrivals(n: int, rate: float, process: str, rng: random.Random) -> list[float]:
     """Send times for n requests at `rate` req/s; rate <= 0 or inf means all at once."""
     if n <= 0:
         return []
-    if rate <= 0 or math.isinf(rate):
+    if all_at_once(rate):
         return [0.0] * n
     if process == "constant":
         return [i / rate for i in range(n)]
@@ -136,8 +141,10 @@ def scale_trace(rows: list[TraceRow], *, rate: float | None, time_scale: float |
         o = min(max_output_tokens, max(1, round(row.output_tokens * length_scale)))
         specs.append(RequestSpec(row.arrival * time_scale, p, o, "trace", row.hash_ids))
     new_rate = trace_rate / time_scale if time_scale else math.inf
+    pacing = ("all at once (arrival times x0)" if time_scale == 0
+              else f"arrival times x{time_scale:.4g} ({trace_rate:.3g} -> {new_rate:.3g} req/s)")
     description = (
-        f"{len(rows)} requests; arrival times x{time_scale:.4g} ({trace_rate:.3g} -> {new_rate:.3g} req/s); "
+        f"{len(rows)} requests; {pacing}; "
         f"lengths x{length_scale:.4g} (median prompt {median_prompt:.0f} -> "
         f"{statistics.median(s.prompt_tokens for s in specs):.0f} tokens), clamped to "
         f"prompt <= {max_prompt_tokens} and output <= {max_output_tokens} tokens"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,19 +16,27 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from tandem.worker.bench import client as bench_client
 from tandem.worker.bench import workload
-from tandem.worker.bench.report import print_summary, write_json
+from tandem.worker.bench.report import overall_failure, print_summary, write_json
 from tandem.worker.bench.stats import summarize
 
 CALIBRATION_WORDS = 64
+
+
+def _check_rate(rate: float | None) -> float | None:
+    """--rate is requests per second, >= 0; 0 (or inf) sends every request at once."""
+    if rate is not None and (math.isnan(rate) or rate < 0):
+        raise click.BadParameter(f"{rate:g} is not a request rate: give requests per second (> 0), or 0 to "
+                                 f"send every request at once", param_hint="'--rate'")
+    return rate
 
 
 @click.command("bench")
 @click.option("--url", required=True, help="Base URL of the server, e.g. http://127.0.0.1:8000 (no /v1).")
 @click.option("--model", default=None, help="Model name (default: the first one /v1/models lists).")
 @click.option("--num-requests", "-n", type=click.IntRange(1, 100_000), default=50, show_default=True)
-@click.option("--rate", type=float, default=None,
-              help="Requests per second (0 = all at once; default 1). With --trace: the replay rate "
-                   "(default: the trace's own pacing, times --time-scale).")
+@click.option("--rate", type=float, default=None, callback=lambda _ctx, _param, value: _check_rate(value),
+              help="Requests per second (0 = send every request at once; default 1). With --trace: the replay "
+                   "rate (default: the trace's own pacing, times --time-scale; 0 = every row at once).")
 @click.option("--arrival", type=click.Choice(["poisson", "constant"]), default="poisson", show_default=True)
 @click.option("--prompt-tokens", type=click.IntRange(1), default=128, show_default=True,
               help="Synthetic prompt length; with --trace, the median prompt after length scaling.")
@@ -35,9 +44,9 @@ CALIBRATION_WORDS = 64
 @click.option("--trace", default=None,
               help=f"Replay a trace: {', '.join(workload.KNOWN_TRACES)} (from {workload.TRACES_DIR}) or a file.")
 @click.option("--trace-offset", type=click.IntRange(0), default=0, help="First trace row to replay.")
-@click.option("--time-scale", type=float, default=None,
+@click.option("--time-scale", type=click.FloatRange(min=0), default=None,
               help="Multiply trace arrival times by this (default: reach --rate if given, else 1).")
-@click.option("--length-scale", type=float, default=None,
+@click.option("--length-scale", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Multiply trace token lengths by this (default: median prompt -> --prompt-tokens).")
 @click.option("--max-prompt-tokens", type=click.IntRange(1), default=1024, show_default=True)
 @click.option("--max-output-tokens", type=click.IntRange(1), default=128, show_default=True)
@@ -65,13 +74,17 @@ def command(url: str, model: str | None, num_requests: int, rate: float | None, 
     if urlparse(url).scheme not in ("http", "https"):
         raise click.BadParameter(f"{url!r} is not an http(s) URL", param_hint="--url")
     try:
-        asyncio.run(_run(console, locals()))
+        problem = asyncio.run(_run(console, locals()))
     except (httpx.HTTPError, RuntimeError, ValueError) as exc:
         console.print(f"[red]bench failed:[/red] {exc}")
         sys.exit(1)
+    if problem is not None:
+        console.print(f"[red]bench failed:[/red] {problem}")
+        sys.exit(1)
 
 
-async def _run(console: Console, o: dict[str, Any]) -> None:
+async def _run(console: Console, o: dict[str, Any]) -> str | None:
+    """Run the benchmark and print its report; return why it failed as a whole (no request completed)."""
     url = o["url"]
     notes: list[str] = []
     async with httpx.AsyncClient(timeout=30.0) as c:
@@ -83,8 +96,9 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
         path = workload.resolve_trace(o["trace"])
         rows = workload.load_trace(path, o["num_requests"], o["trace_offset"])
         rate = o["rate"] if o["rate"] and o["time_scale"] is None else None
+        time_scale = 0.0 if o["rate"] == 0 and o["time_scale"] is None else o["time_scale"]  # all at once
         specs, scaling = workload.scale_trace(
-            rows, rate=rate, time_scale=o["time_scale"], target_median_prompt=o["prompt_tokens"],
+            rows, rate=rate, time_scale=time_scale, target_median_prompt=o["prompt_tokens"],
             length_scale=o["length_scale"], max_prompt_tokens=o["max_prompt_tokens"],
             max_output_tokens=o["max_output_tokens"])
         length_scale = scaling.length_scale
@@ -93,7 +107,9 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
         rate = 1.0 if o["rate"] is None else o["rate"]
         specs = workload.synthetic(o["num_requests"], rate, o["arrival"], o["prompt_tokens"],
                                    o["output_tokens"], seed=o["seed"])
-        notes.append(f"synthetic: {o['arrival']} arrivals at {rate} req/s, "
+        pacing = (f"all {len(specs)} requests at once (--rate {rate:g})" if workload.all_at_once(rate)
+                  else f"{o['arrival']} arrivals at {rate:g} req/s")
+        notes.append(f"synthetic: {pacing}, "
                      f"{o['prompt_tokens']} prompt / {o['output_tokens']} output tokens (ignore_eos)")
     notes.append(f"prompts sized with {tokens_per_word:.2f} tokens/word measured on the server's tokenizer")
     prompts = [workload.prompt_text(s, i, tokens_per_word, length_scale=length_scale)
@@ -121,3 +137,4 @@ async def _run(console: Console, o: dict[str, Any]) -> None:
         config = {k: (str(v) if isinstance(v, Path) else v) for k, v in o.items() if k != "console"}
         write_json(o["json_path"], summary, {**config, "model": model}, notes)
         console.print(f"wrote {o['json_path']}")
+    return overall_failure(results, len(specs))
