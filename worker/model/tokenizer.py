@@ -63,6 +63,11 @@ class Tokenizer:
         self.eos_token_ids: set[int] = eos
         self.vocab_size = self._tok.get_vocab_size()
 
+    @property
+    def backend(self) -> HFTokenizer:
+        """The `tokenizers.Tokenizer` itself (the router reads its vocabulary and normalizers)."""
+        return self._tok
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 

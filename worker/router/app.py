@@ -10,11 +10,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
@@ -31,14 +33,14 @@ from tandem.worker.router.openai_api import (
     sampling_from,
 )
 from tandem.worker.router.responses import Shape, full_response, sse, stream_chunk, usage_chunk
-from tandem.worker.router.tokens import Delta, TextAssembler, fetch_tokenizer
+from tandem.worker.router.telemetry import RouterTelemetry
+from tandem.worker.router.tokens import Delta, TextAssembler, chars_per_token_bound, encode, fetch_tokenizer
 from tandem.worker.router.workers import WorkerRegistry
-from tandem.worker.server.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
-ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # a 32 MiB JSON body is millions of tokens: more than any context
 
 
 @dataclass
@@ -49,24 +51,33 @@ class RouterConfig:
     request_timeout: float = 600.0
     stall_timeout: float = 60.0
     poll_interval: float = 0.5
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
 
 
 class RouterState:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval)
-        self.telemetry = Telemetry(cfg.model_name or "", "router", "router", ROUTER_METRICS)
+        self.telemetry = RouterTelemetry(cfg.model_name)
         self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout)
         self._tokenizer: Tokenizer | None = None
+        self.chars_per_token: float | None = None  # see tokens.chars_per_token_bound
         self._tok_lock = asyncio.Lock()
 
+    def learn_model(self) -> str | None:
+        """The served model's name (given, or what a loaded worker serves); labels the metrics once known."""
+        name = self.cfg.model_name
+        if not name and (info := self.registry.any_info()) is not None:
+            name = info.model
+        if name:
+            self.telemetry.bind(name)
+        return name
+
     def model_name(self) -> str:
-        if self.cfg.model_name:
-            return self.cfg.model_name
-        info = self.registry.any_info()
-        if info is None:
+        name = self.learn_model()
+        if name is None:
             raise errors.unavailable("no worker has loaded the model yet, so it is not known")
-        return info.model
+        return name
 
     def max_model_len(self) -> int:
         info = self.registry.any_info()
@@ -87,6 +98,9 @@ class RouterState:
                 info = self.registry.any_info()
                 self.dispatcher.eos_token_ids = eos
                 self.dispatcher.block_size = info.block_size if info else 16
+                self.chars_per_token = await asyncio.to_thread(chars_per_token_bound, tok)
+                if self.chars_per_token is None:
+                    log.info("this tokenizer gives no characters-per-token bound: every prompt is counted exactly")
                 self._tokenizer = tok
         return self._tokenizer
 
@@ -110,6 +124,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.registry.start()
+        state.learn_model()
         yield
         await state.registry.close()
         await state.dispatcher.close()
@@ -120,6 +135,23 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Unknown path (404), wrong method (405), ...: OpenAI's shape, not FastAPI's {"detail": ...}.
+        if exc.status_code == 404:
+            message = f"there is no {request.url.path} here (see /v1/models, /v1/completions, /v1/chat/completions)"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        type_ = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(APIError(exc.status_code, message, type_=type_).body(), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return errors.bad_request(f"invalid request: {exc.errors()[:1]}").response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -142,6 +174,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        state.learn_model()
         return Response(state.telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -155,11 +188,11 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await _serve(state, await request.body(), chat=False)
+        return await _serve(state, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        return await _serve(state, await request.body(), chat=True)
+        return await _serve(state, request, chat=True)
 
     return app
 
@@ -172,32 +205,30 @@ def _worker_counts(state: RouterState) -> dict[str, int]:
     return counts
 
 
-async def _serve(state: RouterState, raw: bytes, chat: bool) -> Response:
+async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
     arrival = time.monotonic()
-    req: ChatRequest | CompletionRequest = parse_body(raw, ChatRequest if chat else CompletionRequest)
-    served = state.model_name()
-    if req.model != served:
-        raise errors.not_found(f"the model {req.model!r} does not exist; this server serves {served!r}", "model")
-    tok = await state.tokenizer()
-    if isinstance(req, ChatRequest):
-        try:
-            text = tok.apply_chat_template(chat_messages(req))
-        except ValueError as exc:
-            raise errors.bad_request(str(exc), "messages") from None
-        prompt = tok.encode(text, add_special_tokens=False)
-        requested, want_logprobs, default_max = req.max_completion_tokens or req.max_tokens, req.logprobs, None
-    else:
-        if isinstance(req.prompt, str):
-            prompt = tok.encode(req.prompt)
+    try:
+        raw = await _read_body(request, state.cfg.max_request_bytes)
+        req: ChatRequest | CompletionRequest = parse_body(raw, ChatRequest if chat else CompletionRequest)
+        del raw
+        served = state.model_name()
+        if req.model != served:
+            raise errors.not_found(f"the model {req.model!r} does not exist; this server serves {served!r}", "model")
+        tok = await state.tokenizer()
+        max_model_len = state.max_model_len()
+        # Tokenizing a long prompt takes seconds: off the event loop, so /health and every other
+        # request keep being served meanwhile (encode releases the GIL; see tokens.encode).
+        prompt = await asyncio.to_thread(_prompt_ids, req, tok, max_model_len, state.chars_per_token)
+        if isinstance(req, ChatRequest):
+            requested, want_logprobs, default_max = req.max_completion_tokens or req.max_tokens, req.logprobs, None
         else:
-            prompt = list(req.prompt)  # type: ignore[arg-type]
-            if any(not 0 <= t < tok.vocab_size for t in prompt):
-                raise errors.bad_request(f"prompt token ids must be in 0..{tok.vocab_size - 1}", "prompt")
-        requested, want_logprobs, default_max = req.max_tokens, req.logprobs is not None, DEFAULT_COMPLETION_MAX_TOKENS
-    if not prompt:
-        raise errors.bad_request("the prompt encodes to no tokens", "prompt")
-    max_tokens = resolve_max_tokens(requested, len(prompt), state.max_model_len(), default_max)
-    sampling = sampling_from(req, max_tokens, want_logprobs)
+            requested, want_logprobs = req.max_tokens, req.logprobs is not None
+            default_max = DEFAULT_COMPLETION_MAX_TOKENS
+        max_tokens = resolve_max_tokens(requested, len(prompt), max_model_len, default_max)
+        sampling = sampling_from(req, max_tokens, want_logprobs)
+    except APIError:
+        state.telemetry.inc(m.REQUESTS, reason="error")  # refused before it started: counted all the same
+        raise
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
     events = state.dispatcher.generate(request_id, prompt, sampling, arrival + state.cfg.request_timeout)
@@ -208,16 +239,67 @@ async def _serve(state: RouterState, raw: bytes, chat: bool) -> Response:
     try:
         first = await anext(events)  # errors before the first token still get a proper status code
     except StopAsyncIteration:
+        timer.done("error")
         raise errors.internal("the workers finished without producing a token") from None
+    except APIError:
+        timer.done("error")
+        raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return StreamingResponse(_stream(first, events, asm, shape, timer, len(prompt), include_usage),
                              media_type="text/event-stream", headers={"cache-control": "no-cache"})
 
 
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(limit)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_ids(req: ChatRequest | CompletionRequest, tok: Tokenizer, max_model_len: int,
+                chars_per_token: float | None) -> list[int]:
+    """The prompt's token ids (runs in a worker thread). A text that cannot fit however it encodes
+    is refused before the tokenizer spends time on it."""
+    if isinstance(req, ChatRequest):
+        try:
+            text = tok.apply_chat_template(chat_messages(req))
+        except ValueError as exc:
+            raise errors.bad_request(str(exc), "messages") from None
+        _check_could_fit(text, max_model_len, chars_per_token)
+        return encode(tok, text, add_special_tokens=False)
+    if isinstance(req.prompt, str):
+        _check_could_fit(req.prompt, max_model_len, chars_per_token)
+        return encode(tok, req.prompt)
+    prompt = cast(list[int], list(req.prompt))  # token ids: parse_body unwrapped any [[...]] and [str]
+    if len(prompt) >= max_model_len:  # before looking at every id of a huge list
+        resolve_max_tokens(None, len(prompt), max_model_len, None)
+    if any(not 0 <= t < tok.vocab_size for t in prompt):
+        raise errors.bad_request(f"prompt token ids must be in 0..{tok.vocab_size - 1}", "prompt")
+    return prompt
+
+
+def _check_could_fit(text: str, max_model_len: int, chars_per_token: float | None) -> None:
+    if chars_per_token is not None and len(text) > max_model_len * chars_per_token:
+        # Each token stands for at most chars_per_token characters, so this text has more than
+        # max_model_len tokens: the exact count would refuse it too, only seconds later.
+        raise APIError(400, f"the prompt has {len(text)} characters, which is more than {max_model_len} tokens "
+                       f"for this tokenizer (at most {chars_per_token:g} characters per token); this model's "
+                       f"maximum context length is {max_model_len} tokens", param="prompt",
+                       code="context_length_exceeded")
+
+
 class _Timer:
     """Per-request latency metrics as the router sees them."""
 
-    def __init__(self, telemetry: Telemetry, arrival: float, prompt_tokens: int) -> None:
+    def __init__(self, telemetry: RouterTelemetry, arrival: float, prompt_tokens: int) -> None:
         self.t, self.arrival = telemetry, arrival
         self.last: float | None = None
         telemetry.inc(m.PROMPT_TOKENS, prompt_tokens)

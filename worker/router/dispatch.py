@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from tandem.worker import metrics as m
 from tandem.worker.router import errors
 from tandem.worker.router.placement import PrefixAffinity, pick_decode, pick_prefill, prefix_key
+from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.workers import WorkerRegistry, WorkerState
 from tandem.worker.server.protocol import (
     DecodeRequest,
@@ -37,7 +38,6 @@ from tandem.worker.server.protocol import (
     Sampling,
     StreamChunk,
 )
-from tandem.worker.server.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -66,7 +66,7 @@ class WorkerRejected(Exception):
 
 
 class Dispatcher:
-    def __init__(self, registry: WorkerRegistry, telemetry: Telemetry, eos_token_ids: set[int],
+    def __init__(self, registry: WorkerRegistry, telemetry: RouterTelemetry, eos_token_ids: set[int],
                  block_size: int = 16, stall_timeout: float = 60.0) -> None:
         self.registry = registry
         self.telemetry = telemetry
@@ -174,7 +174,7 @@ class Dispatcher:
             tried.add(worker.url)
             body = PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                   target=target, deadline_s=_left(deadline))
-            worker.pending_tokens += len(prompt)
+            worker.prefill_started(len(prompt))
             worker.active += 1
             try:
                 resp = await self._post(worker, "/prefill", body, PrefillResponse, deadline)
@@ -190,6 +190,7 @@ class Dispatcher:
                 continue
             finally:
                 worker.active -= 1
+                worker.prefill_ended(len(prompt))
             self.affinity.put(key, worker.url)
             if resp.error:
                 log.warning("request %s: KV transfer from %s failed (%s); decode prefills locally",

@@ -32,6 +32,11 @@ def not_found(message: str, param: str | None = None) -> APIError:
     return APIError(404, message, param=param, code="model_not_found" if param == "model" else None)
 
 
+def too_large(limit: int) -> APIError:
+    return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
+                    "(tandem router --max-request-bytes)", code="request_too_large")
+
+
 def unavailable(message: str) -> APIError:
     return APIError(503, message, type_="service_unavailable", code="no_worker_available")
 

@@ -1,50 +1,77 @@
 """OpenAI request bodies (with vLLM's extensions that benchmark clients send) and their validation.
 
 Parsing is strict where a wrong value would silently change the answer (types, ranges, n>1,
-echo) and lenient where OpenAI itself is (unknown fields are ignored).
+echo, best_of) and lenient where OpenAI itself is (unknown fields are ignored). Types are JSON's:
+a flag must be true/false (null means the default), a number must not be a string or a boolean,
+as OpenAI's own API answers; pydantic's lax mode would turn "yes" into true and true into 1.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import types
+import typing
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic_core import PydanticCustomError
 
 from tandem.worker.router.errors import APIError, bad_request
 from tandem.worker.server.protocol import Sampling
 
 
+def _json_number(value: Any) -> Any:
+    """Numbers must be JSON numbers: lax pydantic would take "5" or true (1) for an int or a float."""
+    if isinstance(value, bool | str):
+        raise PydanticCustomError("number_type", "Input should be a number, not a {kind}",
+                                  {"kind": "boolean" if isinstance(value, bool) else "string"})
+    return value
+
+
+def _null_is_false(value: Any) -> Any:
+    return False if value is None else value
+
+
+Int = Annotated[int, BeforeValidator(_json_number)]  # 5 and 5.0 pass; "5", true and 5.5 do not
+Float = Annotated[float, BeforeValidator(_json_number)]
+# true/false only (null: the default, false), never "yes" or 1.
+Flag = Annotated[bool, Strict(), BeforeValidator(_null_is_false)]
+# Roles whose message must carry content (OpenAI: required for system/developer/user/tool; an
+# assistant message may leave it out or null when it carries tool_calls, and vLLM accepts that).
+CONTENT_REQUIRED = ("system", "developer", "user", "tool")
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: Flag = False
 
 
 class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)  # vLLM: -1 and 0 both mean off
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    top_p: Float = Field(1.0, gt=0.0, le=1.0)
+    top_k: Int = Field(0, ge=-1)  # vLLM: -1 and 0 both mean off
+    min_p: Float = Field(0.0, ge=0.0, le=1.0)
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    stream: bool = False
+    stop_token_ids: list[Int] | None = None
+    stream: Flag = False
     stream_options: StreamOptions | None = None
-    ignore_eos: bool = False
-    n: int = Field(1, ge=1)
-    return_token_ids: bool = False  # vLLM extension: token ids in each choice
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    ignore_eos: Flag = False
+    n: Int = Field(1, ge=1)
+    best_of: Int | None = None  # only 1 (or null) is accepted: see _check_unsupported
+    return_token_ids: Flag = False  # vLLM extension: token ids in each choice
+    presence_penalty: Float = 0.0
+    frequency_penalty: Float = 0.0
     user: str | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    prompt: str | list[Int] | list[str] | list[list[Int]]
+    logprobs: Int | None = Field(None, ge=0, le=5)
+    echo: Flag = False
 
 
 class ChatMessage(BaseModel):
@@ -55,9 +82,9 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Flag = False
+    top_logprobs: Int | None = Field(None, ge=0, le=20)
 
 
 def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -> Any:
@@ -71,15 +98,56 @@ def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -
         req = model.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or None
+        where, inside_union = _param(model, first["loc"])
+        if inside_union:  # e.g. prompt: 5 -> every member of the union failed; name the field, not a member
+            raise bad_request(f"invalid type for '{where}': {_union_help(model, where)}", param=where) from None
         raise bad_request(f"invalid value for '{where}': {first['msg']}", param=where) from None
     _check_unsupported(req)
     return req
 
 
+def _param(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str | None, bool]:
+    """The request parameter an error is about ("messages.0.role", "prompt"), and whether the error's
+    location went on into a member of a union (pydantic names those "str", "list[int]", ...)."""
+    parts: list[str] = []
+    current: type[BaseModel] | None = model
+    for item in loc:
+        if isinstance(item, int):
+            parts.append(str(item))
+            continue
+        if current is None or item not in current.model_fields:
+            return ".".join(parts) or None, True
+        parts.append(item)
+        current = _model_in(current.model_fields[item].annotation)
+    return ".".join(parts) or None, False
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The request model inside an annotation such as `list[ChatMessage]` or `StreamOptions | None`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    if typing.get_origin(annotation) in (list, typing.Union, types.UnionType):
+        for arg in typing.get_args(annotation):
+            if (found := _model_in(arg)) is not None:
+                return found
+    return None
+
+
+def _union_help(model: type[BaseModel], where: str | None) -> str:
+    if where == "prompt":
+        return "expected a string, a list of token ids, or a one-element list of either"
+    if where == "stop":
+        return "expected a string or a list of strings"
+    if where is not None and where.endswith(".content"):
+        return "expected a string or a list of content parts"
+    return "wrong type"
+
+
 def _check_unsupported(req: CompletionRequest | ChatRequest) -> None:
     if req.n != 1:
         raise bad_request("only n=1 is supported", param="n")
+    if req.best_of not in (None, 1):
+        raise bad_request("best_of is not supported (only best_of=1)", param="best_of")
     if req.presence_penalty or req.frequency_penalty:
         raise bad_request("presence_penalty and frequency_penalty are not supported", param="presence_penalty")
     if isinstance(req, CompletionRequest):
@@ -116,6 +184,9 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
     out = []
     for i, msg in enumerate(req.messages):
         content = msg.content
+        if content is None and msg.role in CONTENT_REQUIRED:
+            raise bad_request(f"messages[{i}]: a {msg.role} message needs content (a string or a list of "
+                              "content parts)", param=f"messages.{i}.content")
         if isinstance(content, list):
             texts = []
             for part in content:

@@ -8,6 +8,7 @@ The tokenizer files come from a worker (GET /tokenizer) unless the router was gi
 
 from __future__ import annotations
 
+import json
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +37,111 @@ async def fetch_tokenizer(client: httpx.AsyncClient, worker_url: str) -> tuple[T
             (folder / name).write_text(text)
     tok = Tokenizer(folder)
     return tok, set(data.get("eos_token_ids") or tok.eos_token_ids)
+
+
+# Most code points one code point can decompose into: canonically (NFD, U+1F82 -> 4) and with
+# compatibility mappings (NFKD, U+FDFA -> 18). Composition (NFC/NFKC) can therefore shrink a text
+# by at most these factors; tests/unit/test_router_tokens.py checks them against unicodedata.
+MAX_CANONICAL_DECOMPOSITION = 4
+MAX_COMPATIBILITY_DECOMPOSITION = 18
+
+
+def encode(tok: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`tok.encode`, through `encode_batch`: the `tokenizers` binding releases the GIL there (and not
+    in `encode`), so a long prompt encoded in a worker thread leaves the event loop free."""
+    return list(tok.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
+
+
+def chars_per_token_bound(tok: Tokenizer) -> float | None:
+    """A number B such that a text of C characters always encodes to at least C / B tokens, or None
+    when this tokenizer admits no such bound (then only the exact count decides).
+
+    A BPE token stands for at most as many characters as its vocabulary string has (a byte-level
+    token's string has one character per byte, a byte-fallback token `<0xNN>` is one byte, an
+    unknown character gets one `unk` token), so B = the longest vocabulary or added-token string,
+    times how much normalization can shrink a text. That holds only when no step can make
+    characters vanish or cover an unbounded run, which this checks and otherwise answers None:
+    truncation; normalizers that strip or drop characters (Strip, StripAccents, BertNormalizer,
+    Precompiled, Nmt, regex Replace); pre-tokenizers that drop whitespace or delimiters; added
+    tokens that swallow whitespace (lstrip/rstrip); BPE that drops or fuses unknown characters;
+    WordPiece/Unigram/WordLevel models (one `unk` can stand for a whole word).
+    """
+    hf = tok.backend
+    try:
+        cfg = json.loads(hf.to_str())
+        return _bound(cfg, hf.get_vocab(with_added_tokens=True))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+def _bound(cfg: dict[str, Any], vocab: dict[str, int]) -> float | None:
+    if cfg.get("truncation") is not None:
+        return None
+    if any(t.get("lstrip") or t.get("rstrip") for t in cfg.get("added_tokens") or []):
+        return None
+    shrink = _normalizer_shrink(cfg.get("normalizer"))
+    if shrink is None or not _pre_tokenizer_keeps_all(cfg.get("pre_tokenizer")):
+        return None
+    model = cfg.get("model") or {}
+    if model.get("type") != "BPE":
+        return None
+    if _has_type(cfg.get("pre_tokenizer"), "ByteLevel"):
+        from tokenizers.pre_tokenizers import ByteLevel
+
+        covered = all(ch in vocab for ch in ByteLevel.alphabet())  # every byte has a token
+    else:
+        covered = bool(model.get("byte_fallback")) and all(f"<0x{b:02X}>" in vocab for b in range(256))
+    if not covered and (model.get("unk_token") is None or model.get("fuse_unk")):
+        return None
+    longest = max((len(t) for t in vocab), default=0)
+    return float(longest) * shrink if longest > 0 else None
+
+
+def _normalizer_shrink(n: dict[str, Any] | None) -> float | None:
+    """By how much this normalizer can shorten a text at most (1.0: never), or None: unbounded."""
+    if n is None:
+        return 1.0
+    kind = n.get("type")
+    if kind == "Sequence":
+        total = 1.0
+        for part in n.get("normalizers") or []:
+            f = _normalizer_shrink(part)
+            if f is None:
+                return None
+            total *= f
+        return total
+    if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"):  # never shorten a text
+        return 1.0
+    if kind == "NFC":
+        return float(MAX_CANONICAL_DECOMPOSITION)
+    if kind == "NFKC":
+        return float(MAX_COMPATIBILITY_DECOMPOSITION)
+    if kind == "Replace":
+        pattern, content = (n.get("pattern") or {}).get("String"), n.get("content")
+        if isinstance(pattern, str) and pattern and isinstance(content, str) and content:
+            return max(1.0, len(pattern) / len(content))
+    return None
+
+
+def _pre_tokenizer_keeps_all(p: dict[str, Any] | None) -> bool:
+    if p is None:
+        return True
+    kind = p.get("type")
+    if kind == "Sequence":
+        return all(_pre_tokenizer_keeps_all(part) for part in p.get("pretokenizers") or [])
+    if kind in ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts"):
+        return True
+    if kind in ("Split", "Punctuation"):
+        return bool(p.get("behavior", "Isolated") != "Removed")
+    return False  # Whitespace, WhitespaceSplit, BertPreTokenizer, CharDelimiterSplit drop characters
+
+
+def _has_type(p: dict[str, Any] | None, kind: str) -> bool:
+    if p is None:
+        return False
+    if p.get("type") == kind:
+        return True
+    return any(_has_type(part, kind) for part in p.get("pretokenizers") or [])
 
 
 @dataclass

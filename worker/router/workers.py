@@ -31,7 +31,10 @@ class WorkerState:
     last_error: str | None = None
     last_poll: float = 0.0
     pending_blocks: int = 0  # blocks reserved by the router since the last poll (decode)
-    pending_tokens: int = 0  # prompt tokens sent since the last poll (prefill)
+    # Prefill load (see queued_tokens): prompt tokens of this router's /prefill calls still in
+    # flight there, and the polled queue less the part of it those calls accounted for.
+    inflight_prefill_tokens: int = 0
+    other_queued_tokens: int = 0
     active: int = 0
     first_seen: float = field(default_factory=time.monotonic)
 
@@ -43,13 +46,34 @@ class WorkerState:
     def role(self) -> str | None:
         return self.info.role if self.info else None
 
+    def prefill_started(self, num_tokens: int) -> None:
+        self.inflight_prefill_tokens += num_tokens
+
+    def prefill_ended(self, num_tokens: int) -> None:
+        """The /prefill call returned or failed: its tokens no longer wait there."""
+        self.inflight_prefill_tokens = max(0, self.inflight_prefill_tokens - num_tokens)
+
+    def observe(self, info: WorkerInfo, inflight_during_poll: int) -> None:
+        """Take a polled /info. Its queued_prompt_tokens may include prompts of this router's
+        in-flight prefills (at most `inflight_during_poll` tokens), which inflight_prefill_tokens
+        already counts: only the rest (other routers' work, or none) is added to it."""
+        self.info = info
+        self.other_queued_tokens = max(0, int(info.stats.get("queued_prompt_tokens", 0)) - inflight_during_poll)
+        self.pending_blocks = 0
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting on this worker: ours exactly (a finished prefill no longer counts,
+        however recent the last poll), plus others' as of the last poll."""
+        return self.other_queued_tokens + self.inflight_prefill_tokens
+
     def candidate(self) -> Candidate:
         assert self.info is not None
         stats = self.info.stats
         return Candidate(
             url=self.url, layout_hash=self.info.layout_hash,
             free_blocks=int(stats.get("num_free_blocks", 0)) - self.pending_blocks,
-            queued_tokens=int(stats.get("queued_prompt_tokens", 0)) + self.pending_tokens, active=self.active)
+            queued_tokens=self.queued_tokens, active=self.active)
 
 
 class WorkerRegistry:
@@ -105,6 +129,7 @@ class WorkerRegistry:
         self.changed = asyncio.Event()
 
     async def poll(self, w: WorkerState) -> None:
+        inflight_before = w.inflight_prefill_tokens
         try:
             resp = await self._client.get(f"{w.url}/info")
             resp.raise_for_status()
@@ -117,8 +142,9 @@ class WorkerRegistry:
         if self.model_name and info.model != self.model_name:
             w.up, w.last_error = False, f"serves model {info.model!r}, not {self.model_name!r}"
             return
-        w.info, w.up, w.last_error, w.last_poll = info, True, None, time.monotonic()
-        w.pending_blocks = w.pending_tokens = 0
+        # Whatever was in flight at either end of the poll may be in the reported queue.
+        w.observe(info, max(inflight_before, w.inflight_prefill_tokens))
+        w.up, w.last_error, w.last_poll = True, None, time.monotonic()
 
     def mark_down(self, url: str, reason: str) -> None:
         w = self.workers.get(url)

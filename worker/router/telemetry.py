@@ -1,0 +1,68 @@
+"""The router's metrics, labelled with the name of the model it serves.
+
+Without `--model-name` the router learns that name from its workers' /info, so it may not know
+it when the first events happen. Those events can only be refusals (a request needs the model's
+name to get past the model check), and the label cannot change once a series exists: a series
+with model="" (or a placeholder) would stay on /metrics beside the real one for the life of the
+process, and dashboards select on `model`. So until the name is known there is no registry at
+all: /metrics has no tandem series, and the few counts that happen are kept here and added to
+the real series the moment the name is learned. Every series is exported at 0 from then on, so
+PromQL's rate() over them works before their first event.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from tandem.worker import metrics as m
+from tandem.worker.server.telemetry import Telemetry
+
+ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS)
+# tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
+# or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
+FINISH_REASONS = ("stop", "length", "error")
+MAX_EARLY_OBSERVATIONS = 10_000
+
+
+class RouterTelemetry:
+    def __init__(self, model_name: str | None) -> None:
+        self._t: Telemetry | None = None
+        self.model: str | None = None
+        self._early_counts: dict[tuple[m.MetricDef, tuple[tuple[str, str], ...]], float] = defaultdict(float)
+        self._early_observations: list[tuple[m.MetricDef, float, dict[str, str]]] = []
+        if model_name:
+            self.bind(model_name)
+
+    def bind(self, model_name: str) -> None:
+        """Create the series for this model (once; later calls do nothing) and add what came before."""
+        if self._t is not None or not model_name:
+            return
+        t = Telemetry(model_name, "router", "router", ROUTER_METRICS)
+        for d in ROUTER_METRICS:
+            if d.labels == m.COMMON_LABELS:
+                t.initialise(d)
+        for reason in FINISH_REASONS:
+            t.initialise(m.REQUESTS, reason=reason)
+        for (d, extra), amount in self._early_counts.items():
+            t.inc(d, amount, **dict(extra))
+        for d, value, labels in self._early_observations:
+            t.observe(d, value, **labels)
+        self._early_counts.clear()
+        self._early_observations.clear()
+        self._t, self.model = t, model_name
+
+    def inc(self, d: m.MetricDef, amount: float = 1.0, **extra: str) -> None:
+        if self._t is not None:
+            self._t.inc(d, amount, **extra)
+        elif amount > 0:
+            self._early_counts[(d, tuple(sorted(extra.items())))] += amount
+
+    def observe(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        if self._t is not None:
+            self._t.observe(d, value, **extra)
+        elif len(self._early_observations) < MAX_EARLY_OBSERVATIONS:
+            self._early_observations.append((d, value, extra))
+
+    def render(self) -> bytes:
+        return self._t.render() if self._t is not None else b""
+
