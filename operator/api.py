@@ -45,6 +45,49 @@ Quantity = Annotated[
     AfterValidator(_check_quantity),
     Field(description="A Kubernetes quantity such as 2, 500m or 16Gi.", json_schema_extra={"pattern": QUANTITY_PATTERN}),
 ]
+# /dev/shm: a quantity above zero (a 0 sizeLimit gives the workers no shared memory at all). The mantissa,
+# after an optional +, holds a non-zero digit: 8Gi, 0.5Gi, 10 pass; 0, 0Gi, 0e3, -1Gi do not.
+POSITIVE_QUANTITY_PATTERN = r"^\+?0*\.?0*[1-9]"
+
+
+def _check_positive_quantity(value: int | str) -> int | str:
+    positive = value > 0 if isinstance(value, int) else bool(re.match(POSITIVE_QUANTITY_PATTERN, value))
+    if not positive:
+        raise ValueError(f"{value!r} must be a quantity above zero, such as 8Gi")
+    return value
+
+
+PositiveQuantity = Annotated[
+    Quantity,
+    AfterValidator(_check_positive_quantity),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": f"type(self) == int ? self > 0 : self.matches(r'{POSITIVE_QUANTITY_PATTERN}')",
+        "message": "must be a quantity above zero, such as 8Gi"}]}),
+]
+
+# A label key as the API server checks it: an optional DNS-subdomain prefix (<= 253 characters) and /,
+# then a name of at most 63 characters that starts and ends alphanumeric.
+LABEL_KEY_PATTERN = (r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?"
+                     r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_VALUE_PATTERN = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+_LABEL_KEYS_MESSAGE = "every key must be a valid label key ([prefix/]name, name at most 63 characters)"
+
+
+def _check_label_keys(value: dict[str, str] | None) -> dict[str, str] | None:
+    for key in value or {}:
+        if not re.match(LABEL_KEY_PATTERN, key) or ("/" in key and key.index("/") > 253):
+            raise ValueError(f"{key!r} is not a valid label key: {_LABEL_KEYS_MESSAGE}")
+    return value
+
+
+NodeSelector = Annotated[
+    Annotated[dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]], Field(max_length=64)] | None,
+    AfterValidator(_check_label_keys),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": f"self.all(k, k.matches(r'{LABEL_KEY_PATTERN}') && (!k.contains('/') || k.indexOf('/') <= 253))",
+        "message": _LABEL_KEYS_MESSAGE}]}),
+]
+
 PoolName = Literal["prefill", "decode"]
 POOLS: tuple[PoolName, ...] = ("prefill", "decode")
 
@@ -196,6 +239,22 @@ class EnvVar(ApiModel):
     )
 
 
+def _check_unique_env_names(value: list[EnvVar]) -> list[EnvVar]:
+    names = [env.name for env in value]
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ValueError(f"env var names must be unique (repeated: {', '.join(duplicates)})")
+    return value
+
+
+EnvList = Annotated[
+    list[EnvVar],
+    AfterValidator(_check_unique_env_names),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.all(e, self.exists_one(f, f.name == e.name))", "message": "env var names must be unique"}]}),
+]
+
+
 class ResourceRequirements(ApiModel):
     """Extra container resources. The operator adds nvidia.com/gpu (and the RDMA resource) itself."""
 
@@ -298,7 +357,7 @@ class PoolSpec(ApiModel):
     gpu_type: str | None = Field(
         default=None, max_length=63, description="Value of the nvidia.com/gpu.product node label to require, e.g. NVIDIA-H100-80GB-HBM3."
     )
-    node_selector: dict[str, str] | None = Field(
+    node_selector: NodeSelector = Field(
         default=None, description="Node labels to require. Unset: tandem.dev/pool=<pool> (and a toleration for that taint)."
     )
     tolerations: list[Toleration] = Field(
@@ -308,9 +367,9 @@ class PoolSpec(ApiModel):
     resources: ResourceRequirements = Field(
         default_factory=lambda: ResourceRequirements(), description="Extra container resources (cpu, memory, ...)."
     )
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+    env: EnvList = Field(default_factory=list, max_length=64, description="Extra environment variables.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem worker`.")
-    shm_size: Quantity = Field(default="8Gi", description="Size of the shared-memory (/dev/shm) volume.")
+    shm_size: PositiveQuantity = Field(default="8Gi", description="Size of the shared-memory (/dev/shm) volume.")
 
 
 class PrefillPoolSpec(PoolSpec):
@@ -340,10 +399,10 @@ class RouterSpec(ApiModel):
     """The OpenAI-compatible router."""
 
     replicas: int = Field(default=1, ge=0, le=100, description="Router pods.")
-    node_selector: dict[str, str] | None = Field(default=None, description="Node labels to require.")
+    node_selector: NodeSelector = Field(default=None, description="Node labels to require.")
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32, description="Pod tolerations.")
     resources: ResourceRequirements = Field(default_factory=lambda: ResourceRequirements(), description="Container resources.")
-    env: list[EnvVar] = Field(default_factory=list, max_length=64, description="Extra environment variables.")
+    env: EnvList = Field(default_factory=list, max_length=64, description="Extra environment variables.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem router`.")
     service: RouterServiceSpec = Field(default_factory=lambda: RouterServiceSpec(), description="The router's Service.")
 

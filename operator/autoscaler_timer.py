@@ -201,14 +201,20 @@ def _observation(pool: PoolName, current: int, counts: PoolCounts, fetched: sig.
     )
 
 
-def _limited_condition(decisions: Mapping[str, PoolDecision]) -> ConditionValue:
+def _limited_condition(decisions: Mapping[str, PoolDecision], no_signal: Mapping[PoolName, str]) -> ConditionValue:
+    """`no_signal`: the autoscaled pools held for want of a load signal, with why."""
     limited = {p: d for p, d in decisions.items() if d.limits}
+    unknown = "; ".join(f"{p}: no load signal ({why}), held at {decisions[p].desired}"
+                        for p, why in no_signal.items() if p not in limited)
     if not limited:
+        if unknown:
+            # Without a signal there is no load to compare with: neither "limited" nor "within range".
+            return ConditionValue(SCALING_LIMITED, "Unknown", "MetricsUnavailable", unknown[:_MAX_REASON_CHARS])
         return ConditionValue(SCALING_LIMITED, "False", "DesiredWithinRange",
                               "every pool is where its load wants it")
     present = {lim for d in limited.values() for lim in d.limits}
     reason = next(r for key, r in _LIMIT_REASONS if key in present)
-    message = "; ".join(f"{p}: {'; '.join(d.limit_notes)}" for p, d in limited.items())
+    message = "; ".join([*(f"{p}: {'; '.join(d.limit_notes)}" for p, d in limited.items()), *filter(None, [unknown])])
     return ConditionValue(SCALING_LIMITED, "True", reason, message[:_MAX_REASON_CHARS])
 
 
@@ -311,8 +317,8 @@ def autoscale_tick(
         active = ConditionValue(SCALING_ACTIVE, "True", "ValidMetrics", f"signal/target: {shown}")
     new_state: dict[str, Any] = {p: decisions[p].state.to_dict() for p in POOLS if policies[p] is not None}
     return TickResult(desired, status_patch, [active, _limited_condition(
-        {p: d for p, d in decisions.items() if policies[p] is not None})], events, decisions, new_state, targets,
-        maxima)
+        {p: d for p, d in decisions.items() if policies[p] is not None}, problems)], events, decisions, new_state,
+        targets, maxima)
 
 
 class AutoscalerMetrics:

@@ -122,7 +122,10 @@ def compute_conditions(observations: Sequence[PoolObservation], problems: Proble
     missing = [o.component for o in observations if o.deployment is None]
     zero = [o.component for o in observations if o.desired == 0]
     short = [o.component for o in observations if _count(o.deployment, "readyReplicas") < o.desired]
-    if missing:
+    if missing and problems.kv_keys:
+        ready = ConditionValue(READY, "False", "KVKeysInvalid",
+                               f"the {', '.join(missing)} Deployment(s) are not created until the keys Secret is usable")
+    elif missing:
         ready = ConditionValue(READY, "False", "Creating", f"waiting for the {', '.join(missing)} Deployment(s)")
     elif zero:
         ready = ConditionValue(READY, "False", "ScaledToZero", f"no replicas wanted for: {', '.join(zero)}")
@@ -132,7 +135,12 @@ def compute_conditions(observations: Sequence[PoolObservation], problems: Proble
         ready = ConditionValue(READY, "True", "AllPoolsReady", f"ready/desired: {counts}")
 
     pending = [o.component for o in observations if not rolled_out(o)]
-    if pending:
+    if problems.kv_keys:
+        # Nothing was applied this time: whatever runs stays as it is, so nothing is rolling out.
+        progressing = ConditionValue(PROGRESSING, "False", "KVKeysInvalid",
+                                     "blocked: nothing is applied until the kvTransfer.secure keys Secret holds a "
+                                     "usable keypair (see Degraded)")
+    elif pending:
         progressing = ConditionValue(PROGRESSING, "True", "RollingOut", f"rolling out: {', '.join(pending)}")
     else:
         progressing = ConditionValue(PROGRESSING, "False", "RolloutComplete", "every pool runs the current spec")

@@ -24,6 +24,8 @@ PRINTER_COLUMNS = [
     {"name": "Decode", "type": "string", "jsonPath": ".status.decode.summary",
      "description": "Ready/desired decode workers"},
     {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint",
+     "description": "The OpenAI-compatible base URL (the router's Service)"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

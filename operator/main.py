@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import click
 import kopf
+from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
 from tandem.operator import api
@@ -50,13 +52,50 @@ class OperatorOptions:
 
 
 _kube: Kube | None = None
+# --kubeconfig, set by `command` before kopf starts. Both kopf's watches (the login handler below) and
+# the operator's own client use it, so the two never run as different identities.
+_kubeconfig: str | None = None
 
 
 def _client() -> Kube:
     global _kube
     if _kube is None:
-        _kube = Kube(load_configuration(os.environ.get("KUBECONFIG") or None))
+        _kube = Kube(load_configuration(_kubeconfig))
     return _kube
+
+
+def connection_info(configuration: k8s.Configuration, trust_env: bool = False) -> kopf.ConnectionInfo:
+    """kopf's view of a kubernetes client Configuration (what kopf's own login_via_client extracts)."""
+    header = configuration.get_api_key_with_prefix("BearerToken") or \
+        configuration.get_api_key_with_prefix("authorization")
+    parts = header.split(" ", 1) if header else []
+    scheme, token = (parts[0], parts[1]) if len(parts) == 2 else (None, parts[0] if parts else None)
+    return kopf.ConnectionInfo(
+        server=configuration.host,
+        ca_path=configuration.ssl_ca_cert,
+        insecure=not configuration.verify_ssl,
+        username=configuration.username or None,
+        password=configuration.password or None,
+        scheme=scheme,
+        token=token,
+        certificate_path=configuration.cert_file,
+        private_key_path=configuration.key_file,
+        trust_env=trust_env,
+    )
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials, from the same source as the operator's own client (kube.load_configuration):
+    --kubeconfig, else in-cluster, else $KUBECONFIG or ~/.kube/config.
+
+    Registering a login handler replaces kopf's defaults, which read $KUBECONFIG or ~/.kube/config
+    and know nothing of --kubeconfig."""
+    try:
+        configuration = load_configuration(_kubeconfig)
+    except Exception as exc:  # kubernetes' ConfigException, an unreadable file, ...
+        raise kopf.LoginError(f"cannot load Kubernetes credentials: {exc}") from exc
+    return connection_info(configuration, trust_env=settings.networking.trust_env)
 
 
 def _emit(resource: Mapping[str, Any], type_: str, reason: str, message: str) -> None:
@@ -74,8 +113,13 @@ def _reconcile(namespace: str, name: str) -> None:
         raise kopf.TemporaryError(outcome.apply_error, delay=RETRY_SECONDS)
 
 
+def exact_namespaces(namespaces: tuple[str, ...]) -> bool:
+    """--namespace given, and every value a plain namespace name (no kopf glob or negation such as team-*)."""
+    return bool(namespaces) and all(re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", ns) for ns in namespaces)
+
+
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
@@ -84,6 +128,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 120  # re-list now and then, in case a watch silently stalls
     settings.networking.request_timeout = 30
     settings.background.cancellation_polling = TIMER_EXIT_POLL_SECONDS
+    # With exact --namespace names there is nothing to discover: kopf would otherwise list and watch
+    # namespaces and CRDs cluster-wide, which the namespace-scoped Roles cannot grant (403s, then a
+    # fallback to exactly these names). Cluster-wide, kopf keeps watching CRDs (a reinstalled CRD is noticed).
+    options = memo.get("options")
+    if isinstance(options, OperatorOptions) and exact_namespaces(options.namespaces):
+        settings.scanning.disabled = True
     _client()
 
 
@@ -159,8 +209,9 @@ def on_unschedulable_pod(body: kopf.Body, **_: Any) -> None:
 def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, prometheus_url: str | None,
             autoscale_interval: float, kubeconfig: str | None, verbose: bool) -> None:
     """Run the Kubernetes operator that turns DisaggregatedModel resources into pools and a router."""
-    if kubeconfig:
-        os.environ["KUBECONFIG"] = os.path.abspath(kubeconfig)  # read by kopf's login and by our client
+    global _kubeconfig
+    # Not via $KUBECONFIG: the kubernetes library reads that once, when it is imported (already done).
+    _kubeconfig = os.path.abspath(kubeconfig) if kubeconfig else None
     options = OperatorOptions(namespaces, metrics_port, health_port, prometheus_url, autoscale_interval, kubeconfig)
     kopf.configure(verbose=verbose)
     if metrics_port:

@@ -91,10 +91,13 @@ def _message(owner_now: ScaledBy, asked: int | None, desired: int, spec: Disaggr
             return (f"spec.replicas {asked} is outside [{auto.min_replicas}, {auto.max_replicas}] "
                     f"(autoscaling min/max): {desired} applied")
         return "spec.replicas sets the pool's size (autoscaling mode external)"
-    why = "autoscaling is disabled: spec.<pool>.replicas of the DisaggregatedModel" if owner_now == "spec" \
-        else "Tandem's autoscaler (autoscaling mode tandem)"
-    return (f"spec.replicas is ignored: the size comes from {why}; set autoscaling "
-            "{enabled: true, mode: external} on the pool to scale it here")
+    if owner_now == "spec":
+        why = (f"the DisaggregatedModel's spec.{pool}.replicas sets the size, because autoscaling is "
+               f"disabled on the {pool} pool")
+    else:
+        why = f"Tandem's autoscaler sets the size of the {pool} pool (autoscaling mode tandem)"
+    return (f"spec.replicas is ignored: {why}. To scale the pool here, set spec.{pool}.autoscaling to "
+            "{enabled: true, mode: external} on the DisaggregatedModel.")
 
 
 def status_patches(owner: builders.Owner, spec: DisaggregatedModelSpec, pools: PoolResources,

@@ -4,8 +4,9 @@ docs/operator.md lists the same rules (a unit test keeps the two in step); the H
 is generated from them; integration tests run the operator under a ServiceAccount bound to
 nothing but these, and check that removing any one rule breaks something.
 
-Not needed, so not here: namespaces (kopf watches them only for glob patterns in --namespace;
-add get/list/watch on namespaces if you use globs), events.k8s.io (kopf posts core/v1 Events),
+Not needed, so not here: namespaces (with exact --namespace names the operator turns kopf's scanning
+off; kopf lists and watches namespaces only for glob patterns in --namespace: add get/list/watch on
+namespaces if you use globs), events.k8s.io (kopf posts core/v1 Events),
 disaggregatedmodels/finalizers (children's owner references do not set blockOwnerDeletion).
 """
 

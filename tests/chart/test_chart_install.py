@@ -219,7 +219,7 @@ def _healthz(port: int) -> bool:
 
 def test_chart_install_then_minimal_sample_becomes_ready(installed: Installed) -> None:
     # The NOTES tell a first-time user how to apply a resource and how to upgrade CRDs.
-    assert "kind: DisaggregatedModel" in installed.notes and "kubectl wait dm/" in installed.notes
+    assert "kind: DisaggregatedModel" in installed.notes and "kubectl -n default wait dm/" in installed.notes
     assert "Helm never upgrades CRDs" in installed.notes
     assert installed.cluster_role["rules"] == rbac.cluster_role_rules()
     problem = run_lifecycle(installed, "tiny", timeout=60)

@@ -186,3 +186,73 @@ def test_servicemonitor_without_its_service_fails_with_a_clear_message() -> None
             "--set", "metrics.serviceMonitor.enabled=true", "--set", "metrics.service.enabled=false"]
     proc = run(argv)
     assert proc.returncode != 0 and "needs metrics.service.enabled" in proc.stderr
+
+
+def test_operator_pod_template_carries_the_standard_labels_and_the_selector_is_unchanged(render: Render) -> None:
+    (deployment,) = by_kind(render("podLabels.team=inference"), "Deployment")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    # The selector is immutable on a Deployment: it must stay these three labels.
+    assert selector == {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": "tandem",
+                        "app.kubernetes.io/component": "operator"}
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["metadata"]["labels"].items() <= pod_labels.items()
+    for key in ("helm.sh/chart", "app.kubernetes.io/version", "app.kubernetes.io/managed-by"):
+        assert pod_labels.get(key), key
+    assert selector.items() <= pod_labels.items() and pod_labels["team"] == "inference"
+
+
+def test_dashboard_configmaps_are_not_labelled_as_the_operator(render: Render) -> None:
+    configmaps = by_kind(render(), "ConfigMap")
+    assert configmaps
+    for configmap in configmaps:
+        labels = configmap["metadata"]["labels"]
+        assert labels["app.kubernetes.io/component"] == "dashboards"
+        assert labels["app.kubernetes.io/instance"] == "tandem" and labels["helm.sh/chart"].startswith("tandem-")
+
+
+def test_user_strings_in_the_operator_args_survive_yaml(render: Render) -> None:
+    """A value with " #" would be cut at the # (a YAML comment) if the args were not quoted."""
+    url = "http://prometheus.monitoring:9090/x?a=b #frag: y"
+    args = operator_container(render(f"operator.prometheusUrl={url}", "operator.watchNamespaces={team-a #x}",
+                                     "operator.autoscaleInterval=7.5"))["args"]
+    assert f"--prometheus-url={url}" in args
+    assert "--namespace=team-a #x" in args
+    assert "--autoscale-interval=7.5" in args and "--metrics-port=8080" in args
+
+
+def render_notes(tmp_path: Any, *set_args: str) -> str:
+    """NOTES.txt as `helm install` prints it. helm template leaves NOTES out, so a copy of the chart
+    renders the same text with `tpl` into a ConfigMap (same values, same helpers)."""
+    import shutil
+
+    chart = tmp_path / "tandem"
+    shutil.copytree(CHART, chart)
+    (chart / "files" / "notes.tpl").write_text((CHART / "templates" / "NOTES.txt").read_text())
+    (chart / "templates" / "zz-notes.yaml").write_text(
+        'apiVersion: v1\nkind: ConfigMap\nmetadata: {name: notes}\n'
+        'data:\n  notes: {{ tpl (.Files.Get "files/notes.tpl") . | quote }}\n')
+    argv = [helm_binary(), "template", "tandem", str(chart), "--namespace", "tandem-system",
+            "--kube-version", KUBE_VERSION, "--show-only", "templates/zz-notes.yaml"]
+    for value in set_args:
+        argv += ["--set", value]
+    proc = run(argv)
+    assert proc.returncode == 0, proc.stderr
+    return str(yaml.safe_load(proc.stdout)["data"]["notes"])
+
+
+@pytest.mark.parametrize(("values", "namespace"), [((), "default"), (NAMESPACED, "team-a")],
+                         ids=["cluster-wide", "namespaced"])
+def test_notes_commands_look_where_the_example_was_applied(tmp_path: Any, render: Render,
+                                                           values: tuple[str, ...], namespace: str) -> None:
+    notes = render_notes(tmp_path, *values)
+    assert f"kubectl apply -n {namespace} -f -" in notes
+    dm_commands = [line.strip() for line in notes.splitlines() if line.strip().startswith("kubectl") and " dm" in line]
+    assert len(dm_commands) == 2, notes
+    assert all(cmd.startswith(f"kubectl -n {namespace} ") for cmd in dm_commands), dm_commands
+    assert f"http://my-model.{namespace}.svc:8000/v1" in notes
+    # The notes promise an endpoint in `kubectl get dm`: the CRD has that column.
+    crd = next(c for c in by_kind(render(include_crds=True), "CustomResourceDefinition")
+               if c["spec"]["names"]["kind"] == "DisaggregatedModel")
+    columns = {c["name"].lower(): c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    assert "endpoint" in notes.split("get dm my-model", 1)[1].splitlines()[0]
+    assert columns["endpoint"] == ".status.endpoint"

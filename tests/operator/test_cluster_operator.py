@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import OperatorProcess, condition, wait_for
+from operator_harness import OperatorProcess, condition, environ_without_kubeconfig, wait_for
 
 from tandem.operator.rbac import cluster_role
 from tandem.worker.kv.keys import KVKeys
@@ -92,8 +92,8 @@ def test_minimal_sample_becomes_ready_with_its_children(testbed: Bed,
         assert pod["metadata"]["labels"]["tandem.dev/role"] == pool
 
     table = testbed.kubectl("get", "dm", "tiny", "-n", ns).stdout.splitlines()
-    assert table[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "READY", "AGE"]
-    assert table[1].split()[:5] == ["tiny", "tiny-llama", "1/1", "1/1", "True"]
+    assert table[0].split() == ["NAME", "MODEL", "PREFILL", "DECODE", "READY", "ENDPOINT", "AGE"]
+    assert table[1].split()[:6] == ["tiny", "tiny-llama", "1/1", "1/1", "True", f"http://tiny.{ns}.svc:8000/v1"]
 
     events = testbed.kubectl("get", "events", "-n", ns, "--field-selector",
                              "involvedObject.kind=DisaggregatedModel,involvedObject.name=tiny", "-o", "json").stdout
@@ -201,6 +201,26 @@ def test_invalid_resource_is_refused_by_the_api_server(testbed: Bed, invalid_cas
     assert invalid_case["field"] in proc.stderr, proc.stderr
 
 
+ACCEPTED_EDGES = {
+    "prefill": {"shmSize": "0.5Gi", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "1"}],
+                "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "tier": ""}},
+    "decode": {"shmSize": 1073741824, "nodeSelector": {"kubernetes.io/hostname": "node-1"}},
+    "router": {"env": [{"name": "A", "value": "1"}], "nodeSelector": {"a.b-c.example/x_y.z": "v"}},
+}
+
+
+def test_valid_neighbours_of_the_refused_values_are_accepted(testbed: Bed,
+                                                             sample: Callable[[str], dict[str, Any]]) -> None:
+    """The env, nodeSelector and shmSize rules refuse only what they should (checked by pydantic too)."""
+    from tandem.operator.reconcile import parse_spec
+
+    body = resource(sample, "edges", **{k: {**sample("minimal")["spec"].get(k, {}), **v} for k, v in ACCEPTED_EDGES.items()})
+    assert parse_spec(body)[1] is None
+    proc = testbed.kubectl("create", "--dry-run=server", "-n", testbed.namespace, "-f", "-",
+                           input=json.dumps(body), check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_operator_health_metrics_and_namespace_scope(testbed: Bed,
                                                      sample: Callable[[str], dict[str, Any]]) -> None:
     status, _ = testbed.operator.healthz()
@@ -294,6 +314,36 @@ def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Call
             operator.stop()
         testbed.kubectl("delete", "clusterrolebinding", role, "--wait=false", check=False)
         testbed.kubectl("delete", "clusterrole", role, "--wait=false", check=False)
+        testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
+
+
+@pytest.mark.parametrize("env_kubeconfig", [None, "bogus"], ids=["KUBECONFIG-unset", "KUBECONFIG-elsewhere"])
+def test_kubeconfig_flag_alone_is_enough(testbed: Bed, sample: Callable[[str], dict[str, Any]], tmp_path: Path,
+                                         env_kubeconfig: str | None) -> None:
+    """--kubeconfig is what both kopf's watches and the operator's own calls use, whatever $KUBECONFIG says
+    (the kubernetes library reads $KUBECONFIG once, at import, and kopf's default login reads only that)."""
+    ns = f"{testbed.namespace}-kc{'b' if env_kubeconfig else 'u'}"
+    testbed.kubectl("create", "namespace", ns)
+    env = environ_without_kubeconfig()
+    env["PATH"] = testbed.cluster.env["PATH"]
+    env["HOME"] = str(tmp_path)  # no ~/.kube/config to fall back on
+    if env_kubeconfig:
+        env["KUBECONFIG"] = str(tmp_path / "no-such-kubeconfig")
+    operator = OperatorProcess(testbed.cluster.kubeconfig, ns, tmp_path / "operator.log", env)
+    try:
+        operator.start()
+        testbed.kubectl("apply", "-n", ns, "-f", "-", input=json.dumps(resource(sample, "flagged")))
+
+        def ready() -> dict[str, Any] | None:
+            dm = json.loads(testbed.kubectl("get", "dm", "flagged", "-n", ns, "-o", "json").stdout)
+            return dm if condition(dm, "Ready").get("status") == "True" else None
+
+        wait_for("dm/flagged to be Ready under an operator given only --kubeconfig", ready, timeout=60,
+                 on_timeout=operator.log_tail)
+        testbed.kubectl("delete", "dm", "flagged", "-n", ns, "--timeout=30s")  # kopf's watch releases the finalizer
+        assert "LoginError" not in operator.log_tail(200_000)
+    finally:
+        operator.stop()
         testbed.kubectl("delete", "namespace", ns, "--wait=false", check=False)
 
 
@@ -405,6 +455,9 @@ def test_a_keys_secret_without_a_usable_pair_is_degraded_naming_it(
         assert degraded["reason"] == "KVKeysInvalid", degraded
         assert "Secret badkeys-kv-keys" in degraded["message"], degraded["message"]
         assert condition(dm, "Ready")["status"] == "False"
+        # Nothing is applied, so nothing is rolling out either.
+        progressing = condition(dm, "Progressing")
+        assert (progressing["status"], progressing["reason"]) == ("False", "KVKeysInvalid"), progressing
         assert not children(testbed, "badkeys", "deployments")  # nothing applied with keys it cannot use
         secret = testbed.get("secret", "badkeys-kv-keys")
         assert base64.b64decode(secret["data"]["public"]) == b"not-a-key"  # reported, never replaced

@@ -38,3 +38,36 @@ def test_api_paths(api_version: str, kind: str, name: str | None, sub: str, expe
 def test_unknown_kind_is_refused() -> None:
     with pytest.raises(ValueError, match="does not manage ConfigMap"):
         _path("v1", "ConfigMap", "ns")
+
+
+@pytest.mark.parametrize(("namespaces", "exact"), [
+    ((), False), (("team-a",), True), (("team-a", "b2"), True), (("team-*",), False), (("!kube-system",), False),
+    (("team-a,team-b",), False),
+])
+def test_kopf_scanning_is_off_only_for_exact_namespace_names(namespaces: tuple[str, ...], exact: bool) -> None:
+    from tandem.operator.main import exact_namespaces
+
+    assert exact_namespaces(namespaces) is exact
+
+
+def test_kopf_logs_in_with_the_kubeconfig_flag_not_the_environment(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    import json
+
+    import kopf
+
+    from tandem.operator import main as operator_main
+
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": "https://flag.example:6443", "insecure-skip-tls-verify": True}}],
+        "users": [{"name": "u", "user": {"token": "flag-token"}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+    }))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "elsewhere"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setattr(operator_main, "_kubeconfig", str(kubeconfig))
+    info = operator_main.login(settings=kopf.OperatorSettings())
+    assert (info.server, info.scheme, info.token, info.insecure) == (
+        "https://flag.example:6443", "Bearer", "flag-token", True)

@@ -72,7 +72,7 @@ def test_crd_shape() -> None:
     version = crd["spec"]["versions"][0]
     assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Model", "Prefill", "Decode", "Ready", "Age"]
+    assert columns == ["Model", "Prefill", "Decode", "Ready", "Endpoint", "Age"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert set(spec["properties"]) >= {"model", "image", "kvTransfer", "prefill", "decode", "router", "slo", "ratio"}
     assert spec["properties"]["decode"]["properties"]["autoscaling"]["properties"]["targetKVUtilization"] == {

@@ -86,6 +86,9 @@ def test_scale_is_ignored_unless_the_pool_is_external_and_handover_keeps_the_siz
     status = testbed.wait_for("the ignored scale explained", lambda: s if "ignored" in (
         s := testbed.get("dmpool", "own-prefill").get("status") or {}).get("message", "") else None, timeout=30)
     assert status["desiredReplicas"] == 1 and "mode: external" in status["message"]
+    assert status["message"].startswith(
+        "spec.replicas is ignored: the DisaggregatedModel's spec.prefill.replicas sets the size, because "
+        "autoscaling is disabled on the prefill pool."), status["message"]
     assert replicas(testbed, "own-prefill") == 1
 
     # Spec grows the pool to 2; then the pool is handed over to an external scaler: it starts at 2

@@ -54,6 +54,26 @@ def test_status_says_who_owns_the_count(autoscaling: dict[str, Any], asked: int,
     assert status["selector"] == builders.pool_selector(OWNER, "decode") and status["observedGeneration"] == 2
 
 
+@pytest.mark.parametrize(("pool", "autoscaling", "expected"), [
+    ("prefill", {}, "spec.replicas is ignored: the DisaggregatedModel's spec.prefill.replicas sets the size, because "
+     "autoscaling is disabled on the prefill pool. To scale the pool here, set spec.prefill.autoscaling to "
+     "{enabled: true, mode: external} on the DisaggregatedModel."),
+    ("decode", {"enabled": True}, "spec.replicas is ignored: Tandem's autoscaler sets the size of the decode pool "
+     "(autoscaling mode tandem). To scale the pool here, set spec.decode.autoscaling to "
+     "{enabled: true, mode: external} on the DisaggregatedModel."),
+])
+def test_ignored_scale_message_names_the_pool(pool: str, autoscaling: dict[str, Any], expected: str) -> None:
+    spec = DisaggregatedModelSpec.model_validate({"model": {"name": "m", "source": {"path": "/m"}},
+                                                  pool: {"replicas": 1, "autoscaling": autoscaling}})
+    obj = builders.pool_resource(OWNER, pool, 5)  # type: ignore[arg-type]
+    obj["metadata"]["generation"] = 1
+    patches = pool_scale.status_patches(OWNER, spec, pool_scale.PoolResources({pool: obj}),  # type: ignore[dict-item]
+                                        {pool: 1}, {pool: DEPLOYMENT})
+    message = patches[f"llama-{pool}"]["message"]
+    assert message == expected
+    assert "<pool>" not in message
+
+
 def test_status_is_written_only_when_it_changes() -> None:
     spec = spec_with({"replicas": 2})
     pools = pool_scale.PoolResources({"decode": pool_object(2)})

@@ -24,10 +24,18 @@
 {{/* Labels on every object of the release. The operator's own objects are component=operator,
 so selectors never match the worker and router pods it creates (component=prefill|decode|router). */}}
 {{- define "tandem.labels" -}}
-helm.sh/chart: {{ include "tandem.chart" . }}
-{{ include "tandem.selectorLabels" . }}
-app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
-app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{ include "tandem.labelsFor" (list . "operator") }}
+{{- end }}
+
+{{/* The standard labels with a given component. Argument: the root context and the component. */}}
+{{- define "tandem.labelsFor" -}}
+{{- $root := index . 0 -}}
+helm.sh/chart: {{ include "tandem.chart" $root }}
+app.kubernetes.io/name: {{ include "tandem.name" $root }}
+app.kubernetes.io/instance: {{ $root.Release.Name }}
+app.kubernetes.io/component: {{ index . 1 }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
 {{- end }}
 
 {{- define "tandem.selectorLabels" -}}
@@ -60,7 +68,7 @@ runs under (docs/operator.md, "RBAC"). Argument: the root context and "cluster" 
 namespaced Roles leave out the rules on cluster-scoped resources, which a Role cannot grant.
 */}}
 {{- define "tandem.operatorRules" -}}
-{{- $root := index . 0 }}
+{{- $root := index . 0 -}}
 {{- $rbac := $root.Files.Get "files/operator-rbac.yaml" | fromYaml }}
 {{- $rules := ternary $rbac.clusterRules $rbac.namespacedRules (eq (index . 1) "cluster") }}
 {{- if not $rules }}
