@@ -79,6 +79,8 @@ PREFIX_CACHE_QUERIES = MetricDef(f"{PREFIX}_prefix_cache_queries", "counter",
                                  "Prompt tokens looked up in the prefix cache.")
 PREFIX_CACHE_HITS = MetricDef(f"{PREFIX}_prefix_cache_hits", "counter",
                               "Prompt tokens found in the prefix cache.")
+PREEMPTIONS = MetricDef(f"{PREFIX}_preemptions", "counter",
+                        "Requests preempted for lack of KV blocks (freed, to be recomputed later).")
 
 # --- KV transfer ---
 KV_TRANSFER_BYTES = MetricDef(f"{PREFIX}_kv_transfer_bytes", "counter", "KV bytes moved between workers.",
@@ -104,7 +106,7 @@ WORKER_READY = MetricDef(f"{PREFIX}_worker_ready", "gauge", "1 when the worker a
 ALL_WORKER_METRICS = (
     PREFILL_QUEUE_REQUESTS, PREFILL_QUEUE_TOKENS, RUNNING_REQUESTS, WAITING_REQUESTS,
     KV_USAGE_RATIO, KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, TTFT, ITL, E2E, PROMPT_TOKENS,
-    GENERATION_TOKENS, REQUESTS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, KV_TRANSFER_BYTES,
+    GENERATION_TOKENS, REQUESTS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS, KV_TRANSFER_FAILURES, KV_TRANSPORT_INFO, FALLBACK_PREFILLS, MIGRATIONS,
     WORKER_READY,
 )

@@ -161,7 +161,7 @@ def test_held_blocks_that_starve_the_queue_raise_instead_of_hanging(tiny_model_d
     prefill.add_request("held", first, GREEDY)
     assert [o.finish_reason for o in prefill.iter_outputs()] == ["prefilled"]  # 3 of 4 blocks now held
     prefill.add_request("starved", second, GREEDY)
-    with pytest.raises(RuntimeError, match="3 are held for KV transfers"):
+    with pytest.raises(RuntimeError, match="3 held for outgoing KV transfers"):
         list(prefill.iter_outputs())
     prefill.release_kv("held")
     assert [o.finish_reason for o in prefill.iter_outputs()] == ["prefilled"]

@@ -146,3 +146,15 @@ def test_prefix_cache_hit_on_prefill_still_ships_the_whole_kv(disagg: Stack, mon
     assert metric_value(prefill, "tandem_prefix_cache_hits_total") - hits_before >= 32
     assert metric_value(decode, "tandem_fallback_prefills_total") == fallbacks_before
     assert first == again == complete(mono, prompt, max_tokens=10).choices[0].model_extra["token_ids"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2], ids=["short", "sentence"])
+def test_seeded_sampling_is_the_same_draw_in_both_modes(disagg: Stack, mono: Stack, prompt: str) -> None:
+    """The decode worker continues the prefill worker's draws (its generator skips the first one)."""
+    kw = {"temperature": 0.9, "seed": 42, "max_tokens": MAX_TOKENS,
+          "extra_body": {"ignore_eos": True, "return_token_ids": True}}
+    d = [client(disagg).completions.create(model="tiny", prompt=prompt, **kw).choices[0] for _ in range(2)]
+    m = client(mono).completions.create(model="tiny", prompt=prompt, **kw).choices[0]
+    assert d[0].model_extra["token_ids"] == d[1].model_extra["token_ids"]
+    assert d[0].model_extra["token_ids"] == m.model_extra["token_ids"]
+    assert d[0].text == m.text

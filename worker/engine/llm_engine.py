@@ -24,7 +24,7 @@ from .detokenizer import OutputText
 from .kv_budget import kv_budget_bytes
 from .outputs import EngineStats, LayerWrite, RequestOutput
 from .runner import ModelRunner
-from .sampler import sample
+from .sampler import sample, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -83,14 +83,19 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs decided outside a step (aborts, instant finishes)
         self._layer_callback: LayerCallback | None = None
         self._default_generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        # Set by step(): why waiting requests got nothing this step although nothing runs (None otherwise).
+        # Only blocks held or reserved for KV transfers can cause it; they are the caller's to release.
+        self.stall: str | None = None
         report("ready", 1.0)
 
     # ----- requests -----
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, sampled_before: int = 0) -> None:
+        """`sampled_before`: tokens of this request another worker already sampled (they end the
+        prompt here); a seeded request's generator skips their draws and continues where that one was."""
         self._check_new(request_id, prompt_token_ids, params)
-        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time, sampled_before)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -111,7 +116,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending = self._pending, []
         plan = self.scheduler.schedule()
+        self.stall = None
         if not plan.scheduled:
+            if self.scheduler.waiting and not self.scheduler.running and not plan.preempted:
+                self.stall = self._stall_reason()
             return outputs
         to_sample = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
         logits = self.runner.execute(plan.scheduled, to_sample, self._layer_hook(plan.scheduled))
@@ -127,8 +135,8 @@ class LLMEngine:
             seq.token_ids.append(token)
             reason = self._stop_reason(seq, token)
             lp = [logprobs[i]] if logprobs is not None and seq.params.logprobs else None
-            if reason is None and self.config.role == "prefill":
-                outputs.append(self._hand_over(seq, token, lp))
+            if self.config.role == "prefill":  # even when the first token ends it: its KV may be in flight
+                outputs.append(self._hand_over(seq, token, lp, reason or "prefilled"))
                 continue
             if reason is not None:
                 self._finish(seq, reason)
@@ -143,11 +151,8 @@ class LLMEngine:
         """
         while self.has_unfinished_requests():
             outputs = self.step()
-            if not outputs and not self.scheduler.running and self.scheduler.waiting:
-                stats = self.stats()
-                raise RuntimeError(
-                    f"{stats.num_waiting} waiting requests cannot get KV blocks: {stats.num_held_blocks} are held "
-                    f"for KV transfers and {stats.num_reserved_blocks} reserved for incoming KV")
+            if self.stall is not None and not outputs:
+                raise RuntimeError(self.stall)
             yield from outputs
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
@@ -224,7 +229,7 @@ class LLMEngine:
         except ValueError:
             self._reserved[request_id] = blocks
             raise
-        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time, sampled_before=1)
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.prefix_recorded = True
@@ -269,10 +274,14 @@ class LLMEngine:
                              f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      arrival_time: float | None) -> Sequence:
+                      arrival_time: float | None, sampled_before: int = 0) -> Sequence:
+        if sampled_before < 0:
+            raise ValueError(f"request {request_id!r}: sampled_before must be >= 0, got {sampled_before}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            if not params.greedy:  # greedy tokens draw nothing
+                skip_draws(generator, self.model_config.vocab_size, sampled_before)
         text = OutputText(self.tokenizer.new_detokenizer(prompt), params.stop)
         return Sequence(request_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
                         text, generator)
@@ -287,18 +296,29 @@ class LLMEngine:
             return "length"
         return None
 
+    def _stall_reason(self) -> str:
+        held = sum(len(b) for b in self._held.values())
+        reserved = sum(len(b) for b in self._reserved.values())
+        waiting = len(self.scheduler.waiting)
+        if not held and not reserved:  # the scheduler preempts waiting owners, and a request alone always fits
+            raise RuntimeError(f"scheduler bug: {waiting} waiting requests, nothing running, and "
+                               f"{self.kv.num_free_blocks} of {self.kv.num_total_blocks} KV blocks free")
+        return (f"{waiting} waiting requests cannot get KV blocks: {self.kv.num_free_blocks} of "
+                f"{self.kv.num_total_blocks} are free, {held} held for outgoing KV transfers (release_kv) and "
+                f"{reserved} reserved for incoming KV (cancel_reservation or add_prefilled_request)")
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.remove(seq)
         self.kv.free(seq.block_table)
         seq.finish_reason = reason
         self._requests.pop(seq.request_id, None)
 
-    def _hand_over(self, seq: Sequence, token: int, logprobs: list[float] | None) -> RequestOutput:
+    def _hand_over(self, seq: Sequence, token: int, logprobs: list[float] | None, reason: str) -> RequestOutput:
         """Prefill role: the prompt is done; keep its blocks for the transfer and report them."""
         blocks = list(seq.block_table)
         seq.block_table.clear()  # ownership moves to _held; _finish then frees nothing
         self._held[seq.request_id] = blocks
-        self._finish(seq, "prefilled")
+        self._finish(seq, reason)
         out = self._output(seq, [token], logprobs)
         out.kv_block_ids = blocks
         return out

@@ -32,6 +32,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     return chosen, logprobs.tolist()
 
 
+def skip_draws(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:
+    """Advance a request's generator past `num_draws` tokens sampled elsewhere (by the prefill worker,
+    or a decode worker the request migrated from), so its next draw is the one a single worker would
+    make. How much of the generator's stream a draw uses depends on the vocabulary size only, not on
+    the probabilities, so a draw from a uniform distribution advances it exactly like the real one."""
+    uniform = torch.ones(vocab_size, device=generator.device)
+    for _ in range(num_draws):
+        torch.multinomial(uniform, 1, generator=generator)
+
+
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     device = logits.device
     temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)

@@ -2,10 +2,15 @@
 
 Each step serves running requests first (one token per decode, the next chunk per partial
 prefill), then admits waiting requests in arrival order while budget, batch slots and KV
-blocks last. When a running request cannot get a block, the most recently admitted running
-request is preempted: its blocks are freed and it waits at the front of the queue to be
-recomputed (cheaply, when its blocks are still in the prefix cache). No new request is
-admitted in a step that preempted.
+blocks last. A waiting request that already owns its KV (a prefilled hand-off on a decode
+worker) is admitted before any that still needs blocks: it may hold exactly the blocks the
+head of the queue waits for, and it gives them back by running to its end.
+
+When a running request cannot get a block, the most recently admitted running request is
+preempted: its blocks are freed and it waits at the front of the queue to be recomputed
+(cheaply, when its blocks are still in the prefix cache). No new request is admitted in a step
+that preempted. When nothing runs and nothing can be admitted while waiting requests own
+blocks, the most recent of them is preempted the same way, so the queue always moves.
 """
 
 from __future__ import annotations
@@ -65,15 +70,23 @@ class Scheduler:
         if out.preempted:
             return out
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+            # Owners of their KV first; otherwise arrival order: nobody overtakes the head of the queue.
+            seq = next((s for s in self.waiting if s.owns_kv), self.waiting[0])
             chunk = self._admit(seq, budget)
             if chunk is None:
-                break  # strict arrival order: nobody overtakes the head of the queue
-            self.waiting.popleft()
+                break
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, chunk))
             budget -= chunk
+        if not out.scheduled and self.waiting and not self.running:
+            owners = [s for s in self.waiting if s.owns_kv]
+            if owners:  # they hold what the others need and cannot grow themselves: recompute one later
+                victim = owners[-1]
+                self.waiting.remove(victim)
+                self._preempt(victim)
+                out.preempted.append(victim)
         return out
 
     def _grow_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:

@@ -46,6 +46,12 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def owns_kv(self) -> bool:
+        """Holds KV blocks while not running: a prefilled hand-off (decode role) waiting for admission.
+        New and preempted sequences hold none; one in the middle of a chunked prefill is running."""
+        return self.status is Status.WAITING and bool(self.block_table)
+
+    @property
     def num_uncomputed_prompt_tokens(self) -> int:
         return max(self.num_prompt_tokens - self.num_computed_tokens, 0)
 

@@ -93,12 +93,22 @@ class Dispatcher:
             else:
                 event, decode, kv_ready = first
                 generated += event.token_ids
-                yield event
-                if event.finish_reason is not None:
-                    return
-                body = DecodeRequest(request_id=request_id, prompt_token_ids=prompt, first_token_id=generated[0],
-                                     sampling=sampling, kv_ready=kv_ready, deadline_s=_left(deadline))
-                stream = self._stream(decode, "/decode", body, deadline)
+                # Until /decode claims it, the decode worker's reservation is ours to release: also when
+                # the first token ends the request in a way only the caller sees (a stop string in its
+                # text) or the caller goes away, which both close this generator at the yield below.
+                released = event.finish_reason is not None  # _disaggregated_start cancelled it already
+                try:
+                    yield event
+                    if event.finish_reason is not None:
+                        return
+                    body = DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
+                                         first_token_id=generated[0], sampling=sampling, kv_ready=kv_ready,
+                                         deadline_s=_left(deadline))
+                    stream = self._stream(decode, "/decode", body, deadline)
+                    released = True  # nothing awaits before the stream's POST claims the reservation
+                finally:
+                    if not released:
+                        await self._cancel(decode, request_id)
         else:
             stream = self._generate_stream(decode, request_id, prompt, sampling, deadline)
 
@@ -129,7 +139,7 @@ class Dispatcher:
                     return
                 rest = sampling.model_copy(update={"max_tokens": left})
                 stream = self._generate_stream(decode, f"{request_id}-m{migrations}", prompt + generated, rest,
-                                               deadline)
+                                               deadline, sampled_before=len(generated))
 
     # --- placement ---
     def _pick_decode(self, lost: set[str]) -> WorkerState | None:
@@ -256,9 +266,9 @@ class Dispatcher:
             raise WorkerLost(f"{worker.url}{path} answered something unreadable: {exc}") from None
 
     def _generate_stream(self, worker: WorkerState, request_id: str, prompt: list[int], sampling: Sampling,
-                         deadline: float) -> AsyncIterator[TokenEvent]:
+                         deadline: float, sampled_before: int = 0) -> AsyncIterator[TokenEvent]:
         body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
-                               deadline_s=_left(deadline))
+                               deadline_s=_left(deadline), sampled_before=sampled_before)
         return self._stream(worker, "/generate", body, deadline)
 
     async def _stream(self, worker: WorkerState, path: str, body: BaseModel,

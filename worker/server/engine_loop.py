@@ -46,6 +46,7 @@ class EngineLoop:
         self.stats: Any = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: str | None = None
+        self._stall: str | None = None  # the engine's last stall reason, logged once per episode
 
     # --- lifecycle ---
     def start(self) -> None:
@@ -111,7 +112,11 @@ class EngineLoop:
                     self._on_step(outputs, self.stats)
                 except Exception:
                     log.exception("metrics hook failed")
-            if not busy:
+            stall = None if outputs else getattr(self.engine, "stall", None)
+            if stall is not None and self._stall is None:
+                log.warning("the queue is stalled until a KV transfer ends: %s", stall)
+            self._stall = stall
+            if not busy or stall is not None:  # a stalled queue waits for a command (release, cancel, add)
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
         self._drain_commands()

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.worker.transfer.errors import TransferError
+from tandem.worker.transfer.errors import INCOMPLETE, TransferError
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,10 @@ class KVShipper:
         src = dict(enumerate(block_ids))
         for layer in range(self.num_layers):
             missing = [p for p in range(out.num_blocks) if not out.sent[layer][p]]
-            if missing:
+            if any(p not in src for p in missing):
+                out.error = out.error or TransferError(
+                    INCOMPLETE, f"{len(block_ids)} source blocks given, the prompt fills {out.num_blocks}")
+            if missing and out.error is None:
                 self._send_runs(out, layer, missing, src)
         if out.error is not None:
             out.transfer.abort(str(out.error))

@@ -36,6 +36,9 @@ class GenerateRequest(BaseModel):
     prompt_token_ids: list[int]
     sampling: Sampling
     deadline_s: float = Field(600.0, gt=0)  # seconds from now; the worker aborts after it
+    # Tokens of this request already sampled elsewhere (a migration: they end the prompt); a seeded
+    # request's generator skips their draws, so the continuation is the draw of an undisturbed run.
+    sampled_before: int = Field(0, ge=0)
 
 
 class ReserveRequest(BaseModel):

@@ -73,6 +73,7 @@ class WorkerServer:
         self._receiver: Any = None
         self._sender: Any = None
         self._prefix_seen = (0, 0)
+        self._preemptions_seen = 0
         self._stopped = threading.Event()
 
     def _initialise_series(self) -> None:
@@ -209,6 +210,8 @@ class WorkerServer:
         t.inc(m.PREFIX_CACHE_QUERIES, stats.prefix_cache_queries - q0)
         t.inc(m.PREFIX_CACHE_HITS, stats.prefix_cache_hits - h0)
         self._prefix_seen = (stats.prefix_cache_queries, stats.prefix_cache_hits)
+        t.inc(m.PREEMPTIONS, stats.num_preemptions - self._preemptions_seen)
+        self._preemptions_seen = stats.num_preemptions
 
     # --- shared helpers ---
     def _require(self, *roles: str) -> EngineLoop:
@@ -231,14 +234,14 @@ class WorkerServer:
         return SamplingParams(**{**s.model_dump(), **update})
 
     async def _add(self, loop: EngineLoop, request_id: str, prompt: list[int], sampling: Sampling,
-                   **update: Any) -> Subscription:
+                   sampled_before: int = 0, **update: Any) -> Subscription:
         try:
             params = self._params(sampling, **update)
             sub = loop.subscribe(request_id)
         except ValueError as exc:
             raise Rejected(400, str(exc)) from None
         try:
-            await loop.acall(lambda e: e.add_request(request_id, prompt, params))
+            await loop.acall(lambda e: e.add_request(request_id, prompt, params, sampled_before=sampled_before))
         except ValueError as exc:
             loop.unsubscribe(request_id)
             raise Rejected(400, str(exc)) from None
@@ -293,7 +296,7 @@ class WorkerServer:
     # --- control API ---
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
         loop = self._admit("both", "decode")
-        sub = await self._add(loop, req.request_id, req.prompt_token_ids, req.sampling)
+        sub = await self._add(loop, req.request_id, req.prompt_token_ids, req.sampling, req.sampled_before)
         return self._pump(loop, req.request_id, sub, time.monotonic() + req.deadline_s)
 
     async def reserve(self, req: ReserveRequest) -> ReserveResponse:
@@ -370,7 +373,7 @@ class WorkerServer:
             self.intake.drop(res)
         self.telemetry.inc(m.FALLBACK_PREFILLS)
         sub = await self._add(loop, req.request_id, [*req.prompt_token_ids, req.first_token_id], req.sampling,
-                              max_tokens=req.sampling.max_tokens - 1)
+                              sampled_before=1, max_tokens=req.sampling.max_tokens - 1)
         return self._pump(loop, req.request_id, sub, deadline,
                           StreamChunk(num_prompt_tokens=len(req.prompt_token_ids), fallback=True))
 
