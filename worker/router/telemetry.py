@@ -21,7 +21,6 @@ ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.
 # tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
 # or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
 FINISH_REASONS = ("stop", "length", "error")
-MAX_EARLY_OBSERVATIONS = 10_000
 
 
 class RouterTelemetry:
@@ -29,7 +28,6 @@ class RouterTelemetry:
         self._t: Telemetry | None = None
         self.model: str | None = None
         self._early_counts: dict[tuple[m.MetricDef, tuple[tuple[str, str], ...]], float] = defaultdict(float)
-        self._early_observations: list[tuple[m.MetricDef, float, dict[str, str]]] = []
         if model_name:
             self.bind(model_name)
 
@@ -38,17 +36,10 @@ class RouterTelemetry:
         if self._t is not None or not model_name:
             return
         t = Telemetry(model_name, "router", "router", ROUTER_METRICS)
-        for d in ROUTER_METRICS:
-            if d.labels == m.COMMON_LABELS:
-                t.initialise(d)
-        for reason in FINISH_REASONS:
-            t.initialise(m.REQUESTS, reason=reason)
+        t.initialise_all(FINISH_REASONS)
         for (d, extra), amount in self._early_counts.items():
             t.inc(d, amount, **dict(extra))
-        for d, value, labels in self._early_observations:
-            t.observe(d, value, **labels)
         self._early_counts.clear()
-        self._early_observations.clear()
         self._t, self.model = t, model_name
 
     def inc(self, d: m.MetricDef, amount: float = 1.0, **extra: str) -> None:
@@ -58,10 +49,9 @@ class RouterTelemetry:
             self._early_counts[(d, tuple(sorted(extra.items())))] += amount
 
     def observe(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        # Latencies exist only for requests that passed the model check, which binds the name first.
         if self._t is not None:
             self._t.observe(d, value, **extra)
-        elif len(self._early_observations) < MAX_EARLY_OBSERVATIONS:
-            self._early_observations.append((d, value, extra))
 
     def render(self) -> bytes:
         return self._t.render() if self._t is not None else b""

@@ -39,6 +39,15 @@ class Telemetry:
         """Export this series now, at 0, before its first event (so rate() and dashboards see 0, not no data)."""
         self._child(d, extra)
 
+    def initialise_all(self, finish_reasons: tuple[str, ...], skip: tuple[m.MetricDef, ...] = ()) -> None:
+        """Export, at 0, every series that has only the common labels (but `skip`) and
+        tandem_requests_total for each of `finish_reasons`."""
+        for d in self.defs:
+            if d.labels == m.COMMON_LABELS and d not in skip:
+                self.initialise(d)
+        for reason in finish_reasons:
+            self.initialise(m.REQUESTS, reason=reason)
+
     def set(self, d: m.MetricDef, value: float, **extra: str) -> None:
         self._child(d, extra).set(value)  # type: ignore[attr-defined]
 

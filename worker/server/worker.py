@@ -78,11 +78,7 @@ class WorkerServer:
 
     def _initialise_series(self) -> None:
         """Export this worker's series at 0 from the start: rate() and dashboards get 0, not "no data"."""
-        for d in self.telemetry.defs:
-            if d.labels == m.COMMON_LABELS and d is not m.MIGRATIONS:  # migrations are the router's
-                self.telemetry.initialise(d)
-        for reason in FINISH_REASONS[self.cfg.role]:
-            self.telemetry.initialise(m.REQUESTS, reason=reason)
+        self.telemetry.initialise_all(FINISH_REASONS[self.cfg.role], skip=(m.MIGRATIONS,))  # migrations: the router's
 
     # --- loading ---
     @property
