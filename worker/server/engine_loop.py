@@ -112,7 +112,7 @@ class EngineLoop:
                     self._on_step(outputs, self.stats)
                 except Exception:
                     log.exception("metrics hook failed")
-            stall = None if outputs else getattr(self.engine, "stall", None)
+            stall = None if outputs else self.engine.stall
             if stall is not None and self._stall is None:
                 log.warning("the queue is stalled until a KV transfer ends: %s", stall)
             self._stall = stall
