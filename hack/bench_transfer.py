@@ -9,8 +9,12 @@ process in both cases, so the two sides do not share a GIL. It also reports the 
 processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
-        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1 ...]   # several: an A/B in one run
+        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off ...]   # several: an A/B in one run
         [--rounds 4]   # raw and the variants take turns this many times per size (more: fairer under load)
+
+A variant with `checks=off` is an ablation, not a configuration: it skips the payload digest on both
+sides and the receiver's copy into its cache (every other check still runs), to show what those
+two cost against the rest of the transport in the same run. The transport itself has no such switch.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 
 from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
+from tandem.worker.transfer import tcp_receiver, wire
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
 
@@ -67,6 +72,7 @@ class Variant:
     frame_bytes: int
     keep_freed_buffers: bool = True  # the transport's allocator setting (allocator.py); the receiver's is what counts
     secure: bool = False  # kvTransfer.secure: CURVE on the zmq sockets (security.py)
+    checks: bool = True  # False: the ablation described at the top (bench only)
 
 
 def parse_size(text: str) -> int:
@@ -137,7 +143,23 @@ class RawClient:
 
 # --- tandem tcp transport --------------------------------------------------------------------
 
-def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool, keys: KVKeys | None = None) -> None:
+_real_digest = wire.frame_digest
+_unchecked = False  # set while an ablated (checks=off) variant's transfer runs in this process
+
+
+def _digest_unless_ablated(*args: Any, **kwargs: Any) -> wire.Digest:
+    return (0, 0) if _unchecked else _real_digest(*args, **kwargs)
+
+
+wire.frame_digest = _digest_unless_ablated  # the senders all live in this process; clients take turns
+
+
+def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool, keys: KVKeys | None = None,
+               checks: bool = True) -> None:
+    if not checks:  # this child serves one ablated variant: no payload digest, no copy into the cache
+        global _unchecked
+        _unchecked = True
+        tcp_receiver.write_blocks = lambda *args: None
     cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                         LAYOUT.head_dim, dtype=torch.float16)
     receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys)
@@ -172,7 +194,8 @@ class TcpClient:
         self.pipe, child = mp.Pipe()
         keys = KVKeys.generate() if variant.secure else None
         self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks,
-                                                                             variant.keep_freed_buffers, keys), daemon=True)
+                                                                             variant.keep_freed_buffers, keys,
+                                                                             variant.checks), daemon=True)
         self.proc.start()
         address = self.pipe.recv()
         cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
@@ -182,6 +205,7 @@ class TcpClient:
                                 keep_freed_buffers=variant.keep_freed_buffers, keys=keys)
         self.conn = self.sender.connect(address)
         self.counter = 0
+        self.checks = variant.checks
 
     def cpu_now(self) -> float:
         self.pipe.send("cpu")
@@ -193,11 +217,16 @@ class TcpClient:
         transfer_id = f"bench-{self.counter}"
         self.pipe.send((transfer_id, blocks))
         self.pipe.recv()
-        start = time.perf_counter()
-        transfer = self.conn.begin(transfer_id, blocks, 30.0)
-        transfer.send_layer(0, blocks)
-        transfer.finish()
-        return time.perf_counter() - start
+        global _unchecked
+        _unchecked = not self.checks
+        try:
+            start = time.perf_counter()
+            transfer = self.conn.begin(transfer_id, blocks, 30.0)
+            transfer.send_layer(0, blocks)
+            transfer.finish()
+            return time.perf_counter() - start
+        finally:
+            _unchecked = False
 
     def close(self) -> None:
         self.sender.close()
@@ -248,10 +277,10 @@ def table(rows: list[Row]) -> str:
 
 
 def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
-    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default]`, e.g. `f1m:frame=1M`; unset keys take
+    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]`, e.g. `f1m:frame=1M`; unset keys take
     --streams / --frame-bytes, and alloc=keep (the transport's allocator setting, allocator.py)."""
     label, _, options = text.partition(":")
-    keep, secure = True, False
+    keep, secure, checks = True, False, True
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
         if key == "streams":
@@ -262,12 +291,14 @@ def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
             keep = value == "keep"
         elif key == "secure" and value in ("0", "1"):
             secure = value == "1"
+        elif key == "checks" and value in ("on", "off"):
+            checks = value == "on"
         else:
             raise ValueError(f"unknown variant option {option!r} in {text!r} (streams=N, frame=SIZE, "
-                             "alloc=keep|default, secure=0|1)")
+                             "alloc=keep|default, secure=0|1, checks=on|off)")
     if not label or streams <= 0 or frame_bytes <= 0:
-        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default]")
-    return Variant(label, streams, frame_bytes, keep, secure)
+        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]")
+    return Variant(label, streams, frame_bytes, keep, secure, checks)
 
 
 def main() -> int:
@@ -277,7 +308,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--frame-bytes", default="2M")
     parser.add_argument("--variant", action="append", default=[],
-                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default]; repeat for an "
+                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]; repeat for an "
                              "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns per size: raw and each variant alternate this many times within --seconds")
@@ -305,7 +336,9 @@ def main() -> int:
     rows = [Row(size, results["raw"][size], {v.label: results[v.label][size] for v in variants}) for size in sizes]
     load = os.getloadavg()[0]
     described = ", ".join(f"{v.label} = {v.streams} streams, {human(v.frame_bytes)} frames"
-                          f"{'' if v.keep_freed_buffers else ', default allocator'}" for v in variants)
+                          f"{'' if v.keep_freed_buffers else ', default allocator'}"
+                          f"{'' if v.checks else ', ABLATION: no payload digest, no copy into the cache'}"
+                          for v in variants)
     print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, load {load:.1f}; one run, raw and tcp "
           f"alternating per size; GB/s from the median transfer; {described})")
     print(table(rows))
