@@ -12,11 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from starlette.types import Receive, Scope, Send
 
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
@@ -41,6 +44,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # a 32 MiB JSON body is millions of tokens: more than any context
+# A stream whose client reads nothing is closed this long after the request's deadline (the stream's own
+# deadline error comes first for a client that still reads).
+STALLED_CLIENT_GRACE_S = 5.0
 
 
 @dataclass
@@ -207,8 +213,9 @@ def _worker_counts(state: RouterState) -> dict[str, int]:
 
 async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
     arrival = time.monotonic()
+    deadline = arrival + state.cfg.request_timeout
     try:
-        raw = await _read_body(request, state.cfg.max_request_bytes)
+        raw = await _read_body(request, state.cfg.max_request_bytes, deadline)
         req: ChatRequest | CompletionRequest = parse_body(raw, ChatRequest if chat else CompletionRequest)
         del raw
         served = state.model_name()
@@ -231,11 +238,11 @@ async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
         raise
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
-    events = state.dispatcher.generate(request_id, prompt, sampling, arrival + state.cfg.request_timeout)
+    events = state.dispatcher.generate(request_id, prompt, sampling, deadline)
     timer = _Timer(state.telemetry, arrival, len(prompt))
     asm = TextAssembler(tok, prompt, sampling.stop)
     if not req.stream:
-        return await _collect(events, asm, shape, timer, len(prompt))
+        return await _collect(request, events, asm, shape, timer, len(prompt))
     try:
         first = await anext(events)  # errors before the first token still get a proper status code
     except StopAsyncIteration:
@@ -245,22 +252,35 @@ async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
         timer.done("error")
         raise
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return StreamingResponse(_stream(first, events, asm, shape, timer, len(prompt), include_usage),
-                             media_type="text/event-stream", headers={"cache-control": "no-cache"})
+    return _EventStream(_stream(request, first, events, asm, shape, timer, len(prompt), include_usage), events,
+                        deadline)
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes."""
+def _client_gone() -> APIError:
+    # nginx's 499: nobody reads this answer, but the request is counted (as an error) like any other.
+    return APIError(499, "the client closed the connection", code="client_closed_request")
+
+
+async def _read_body(request: Request, limit: int, deadline: float) -> bytes:
+    """The request body, refused with 413 as soon as it is known to exceed `limit` bytes. A client that
+    stalls half-way gets 408 at the request's deadline; one that goes away half-way is a 499."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise errors.too_large(limit)
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive before the request's deadline ({size} bytes came)",
+                       code="request_timeout") from None
+    except ClientDisconnect:
+        raise _client_gone() from None
     return b"".join(chunks)
 
 
@@ -318,8 +338,8 @@ class _Timer:
         self.t.inc(m.REQUESTS, reason=reason)
 
 
-async def _collect(events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape, timer: _Timer,
-                   prompt_tokens: int) -> Response:
+async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
+                   timer: _Timer, prompt_tokens: int) -> Response:
     deltas: list[Delta] = []
     reason: str | None = None
     try:
@@ -330,6 +350,10 @@ async def _collect(events: AsyncIterator[TokenEvent], asm: TextAssembler, shape:
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
                 break
+            # Nothing cancels a plain (non-streaming) handler when its client goes away: look after every
+            # event, or the workers would generate up to max_tokens for nobody.
+            if await request.is_disconnected():
+                raise _client_gone()
     except APIError:
         timer.done("error")
         raise
@@ -339,12 +363,12 @@ async def _collect(events: AsyncIterator[TokenEvent], asm: TextAssembler, shape:
     return JSONResponse(full_response(shape, asm, deltas, reason, prompt_tokens))
 
 
-async def _stream(first: TokenEvent, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
-                  timer: _Timer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _stream(request: Request, first: TokenEvent, events: AsyncIterator[TokenEvent], asm: TextAssembler,
+                  shape: Shape, timer: _Timer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
     reason: str | None = None
     try:
         ev: TokenEvent | None = first
-        is_first = True
+        is_first = handoff = True
         while ev is not None:
             timer.tokens(len(ev.token_ids))
             delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
@@ -354,12 +378,45 @@ async def _stream(first: TokenEvent, events: AsyncIterator[TokenEvent], asm: Tex
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
                 break
-            ev = await anext(events, None)
+            if await request.is_disconnected():  # sending to a gone client does not fail: look before asking for more
+                break
+            # Starlette cancels this generator when the client goes away. The event after the first is where a
+            # disaggregated request moves to its decode worker, whose /decode call claims the KV reservation:
+            # cancelled half-way, the call might never reach the worker, and the reservation would hold its
+            # blocks until it expires. So that one call is not cancelled; the next look above ends the stream.
+            with anyio.CancelScope(shield=handoff):
+                ev = await anext(events, None)
+            handoff = False
         if include_usage:
             yield sse(usage_chunk(shape, prompt_tokens, asm.num_tokens))
     except APIError as exc:
         yield sse(exc.body())
     finally:
-        await events.aclose()  # type: ignore[attr-defined]
+        with anyio.CancelScope(shield=True):  # a cancelled scope would cancel the workers' clean-up calls too
+            await events.aclose()  # type: ignore[attr-defined]
         timer.done(reason or "error")
     yield sse("[DONE]")
+
+
+class _EventStream(StreamingResponse):
+    """A request's SSE stream. However it ends, its generators are closed (the workers release the
+    request's KV), and it ends at the request's deadline even when the client reads nothing: that
+    client's send would otherwise wait forever."""
+
+    def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent], deadline: float) -> None:
+        super().__init__(body, media_type="text/event-stream", headers={"cache-control": "no-cache"})
+        self.events, self.deadline = events, deadline
+
+    async def stream_response(self, send: Send) -> None:
+        with anyio.move_on_after(max(0.0, self.deadline + STALLED_CLIENT_GRACE_S - time.monotonic())) as scope:
+            await super().stream_response(send)
+        if scope.cancelled_caught:
+            log.warning("closing a stream whose client read nothing until past the request's deadline")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                await self.events.aclose()  # type: ignore[attr-defined]

@@ -12,10 +12,11 @@ turns them into text. Guarantees, in order of importance:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -45,6 +46,7 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 DECODE_ROLES = ("decode", "both")
 MAX_MIGRATIONS = 3
 RESERVE_TIMEOUT_S = 5.0
+RESERVATION_GRACE_S = 5.0  # a decode worker frees an unclaimed reservation this long after its deadline
 WAIT_FOR_WORKER_S = 10.0
 
 
@@ -74,6 +76,7 @@ class Dispatcher:
         self.block_size = block_size
         self.stall_timeout = stall_timeout
         self.affinity = PrefixAffinity()
+        self._background: set[asyncio.Task[None]] = set()  # cancels sent without waiting (_cancel_later)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(stall_timeout, connect=3.0), limits=limits)
 
@@ -85,41 +88,54 @@ class Dispatcher:
                        deadline: float) -> AsyncIterator[TokenEvent]:
         generated: list[int] = []
         lost: set[str] = set()
-        decode = await self._wait_for(lambda: self._pick_decode(lost), deadline)
-        if decode.role == "decode" and self.registry.usable(("prefill",)):
-            first = await self._disaggregated_start(request_id, prompt, sampling, decode, deadline)
-            if first is None:  # no prefill worker made it: the decode worker does it all
-                stream = self._generate_stream(decode, request_id, prompt, sampling, deadline)
-            else:
-                event, decode, kv_ready = first
-                generated += event.token_ids
-                # Until /decode claims it, the decode worker's reservation is ours to release: also when
-                # the first token ends the request in a way only the caller sees (a stop string in its
-                # text) or the caller goes away, which both close this generator at the yield below.
-                released = event.finish_reason is not None  # _disaggregated_start cancelled it already
-                try:
-                    yield event
-                    if event.finish_reason is not None:
-                        return
-                    body = DecodeRequest(request_id=request_id, prompt_token_ids=prompt,
-                                         first_token_id=generated[0], sampling=sampling, kv_ready=kv_ready,
-                                         deadline_s=_left(deadline))
-                    stream = self._stream(decode, "/decode", body, deadline)
-                    released = True  # nothing awaits before the stream's POST claims the reservation
-                finally:
-                    if not released:
-                        await self._cancel(decode, request_id)
+        first: tuple[TokenEvent, WorkerState, bool] | None = None
+        rid = request_id  # a retry on another decode worker gets its own id (see below)
+        while True:
+            decode = await self._wait_for(lambda: self._pick_decode(lost), deadline)
+            if decode.role != "decode" or not self.registry.usable(("prefill",)):
+                break
+            try:
+                first = await self._disaggregated_start(rid, prompt, sampling, decode, deadline)
+                break
+            except WorkerLost as exc:
+                # The decode worker stopped answering (frozen, overloaded) before the first token: start
+                # over on another one. Nothing reached the client yet. The old id may still be in flight
+                # on a prefill worker that was shipping to the lost one, so the retry gets a new id.
+                lost.add(decode.url)
+                self.registry.mark_down(decode.url, str(exc))
+                rid = f"{request_id}-r{len(lost)}"
+                log.warning("request %s: %s; starting over on another decode worker", request_id, exc)
+        if first is None:  # no prefill pool, or no prefill worker made it: the decode worker does it all
+            stream = self._generate_stream(decode, rid, prompt, sampling, deadline)
         else:
-            stream = self._generate_stream(decode, request_id, prompt, sampling, deadline)
+            event, decode, kv_ready = first
+            generated += event.token_ids
+            # Until /decode claims it, the decode worker's reservation is ours to release: also when
+            # the first token ends the request in a way only the caller sees (a stop string in its
+            # text) or the caller goes away, which both close this generator at the yield below.
+            released = event.finish_reason is not None  # _disaggregated_start cancelled it already
+            try:
+                yield event
+                if event.finish_reason is not None:
+                    return
+                body = DecodeRequest(request_id=rid, prompt_token_ids=prompt,
+                                     first_token_id=generated[0], sampling=sampling, kv_ready=kv_ready,
+                                     deadline_s=_left(deadline))
+                stream = self._stream(decode, "/decode", body, deadline)
+                released = True  # nothing awaits before the stream's POST claims the reservation
+            finally:
+                if not released:
+                    await self._cancel(decode, rid)
 
         migrations = 0
         while True:
             try:
-                async for event in stream:
-                    generated += event.token_ids
-                    yield event
-                    if event.finish_reason is not None:
-                        return
+                async with contextlib.aclosing(stream):  # closed now, not when garbage-collected
+                    async for event in stream:
+                        generated += event.token_ids
+                        yield event
+                        if event.finish_reason is not None:
+                            return
                 raise WorkerLost(f"{decode.url} ended the stream without finishing the request")
             except WorkerLost as exc:
                 if time.monotonic() >= deadline:  # the worker gave up because the deadline passed: not its fault
@@ -188,6 +204,11 @@ class Dispatcher:
             worker.active += 1
             try:
                 resp = await self._post(worker, "/prefill", body, PrefillResponse, deadline)
+            except (asyncio.CancelledError, errors.APIError):
+                # The caller went away or the deadline passed: nobody will claim the reservation.
+                if reservation is not None:
+                    self._cancel_later(decode, request_id, deadline)
+                raise
             except WorkerRejected as exc:
                 if exc.status < 500 or time.monotonic() >= deadline:
                     await self._cancel(decode, request_id)
@@ -196,21 +217,35 @@ class Dispatcher:
                     raise errors.timeout("the request's deadline passed during prefill") from None
                 continue  # draining or overloaded: try the next prefill worker
             except WorkerLost as exc:
+                if target is not None and not decode.usable:
+                    # A prefill worker waits for the receiver's confirmation before it answers: a decode
+                    # worker that stopped answering holds it up, and would hold up the next one too.
+                    self._cancel_later(decode, request_id, deadline)
+                    raise WorkerLost(f"{decode.url} stopped answering while {worker.url} prefilled for it "
+                                     f"({exc})") from None
                 self.registry.mark_down(worker.url, str(exc))
                 continue
             finally:
                 worker.active -= 1
                 worker.prefill_ended(len(prompt))
             self.affinity.put(key, worker.url)
+            kv_ready = bool(resp.kv_sent and reservation is not None)
             if resp.error:
                 log.warning("request %s: KV transfer from %s failed (%s); decode prefills locally",
                             request_id, worker.url, resp.error)
             event = TokenEvent([resp.first_token_id], [resp.logprob] if resp.logprob is not None else None,
                                self._finish_after_first(resp.first_token_id, sampling))
+            if reservation is not None and not kv_ready and not decode.usable and event.finish_reason is None:
+                # Its /decode would only wait out the stall timeout: start over instead.
+                self._cancel_later(decode, request_id, deadline)
+                raise WorkerLost(f"{decode.url} stopped answering and the KV did not reach it")
             if event.finish_reason is not None:
                 await self._cancel(decode, request_id)
-            return event, decode, bool(resp.kv_sent and reservation is not None)
+            return event, decode, kv_ready
         if reservation is not None:
+            if not decode.usable:
+                self._cancel_later(decode, request_id, deadline)
+                raise WorkerLost(f"{decode.url} stopped answering during prefill")
             await self._cancel(decode, request_id)
         return None
 
@@ -221,41 +256,62 @@ class Dispatcher:
 
     async def _reserve(self, request_id: str, num_tokens: int, decode: WorkerState,
                        deadline: float) -> tuple[ReserveResponse | None, WorkerState]:
-        """Reserve KV blocks on the chosen decode worker, or the next one with room."""
+        """Reserve KV blocks on the chosen decode worker, or the next one with room. Without room
+        anywhere: no reservation, and the first decode worker that answered. Raises WorkerLost when
+        none answered (frozen, overloaded or gone: each is marked down)."""
         tried: set[str] = set()
+        answered: WorkerState | None = None
         worker: WorkerState | None = decode
         while worker is not None:
             tried.add(worker.url)
             body = ReserveRequest(request_id=request_id, num_tokens=num_tokens, deadline_s=_left(deadline))
             try:
-                resp = await self._post(worker, "/kv/reserve", body, ReserveResponse,
-                                        min(deadline, time.monotonic() + RESERVE_TIMEOUT_S))
+                resp = await self._post(worker, "/kv/reserve", body, ReserveResponse, deadline,
+                                        hop_timeout=RESERVE_TIMEOUT_S)
                 worker.pending_blocks += len(resp.block_ids)
                 return resp, worker
             except WorkerRejected:
-                pass
+                answered = answered or worker
+            except asyncio.CancelledError:
+                self._cancel_later(worker, request_id, deadline)  # it may have reserved before the call was cut
+                raise
             except WorkerLost as exc:
                 self.registry.mark_down(worker.url, str(exc))
             nxt = self._pick_decode(tried)
             worker = nxt if nxt is not None and nxt.role == "decode" else None
-        return None, decode
+        if answered is None:
+            raise WorkerLost(f"no decode worker answered /kv/reserve within {RESERVE_TIMEOUT_S:g}s")
+        return None, answered
 
-    async def _cancel(self, worker: WorkerState, request_id: str) -> None:
+    async def _cancel(self, worker: WorkerState, request_id: str, timeout: float = 3.0) -> None:
         try:
-            await self.client.post(f"{worker.url}/kv/cancel", json={"request_id": request_id}, timeout=3.0)
+            await self.client.post(f"{worker.url}/kv/cancel", json={"request_id": request_id}, timeout=timeout)
         except httpx.HTTPError as exc:
             log.info("cancel of %s on %s failed (the reservation expires on its own): %s",
                      request_id, worker.url, exc)
 
+    def _cancel_later(self, worker: WorkerState, request_id: str, deadline: float) -> None:
+        """Cancel a reservation on a worker that stopped answering, without waiting. The call stays
+        open until the reservation would expire anyway: a frozen worker reads it when it resumes (it
+        drops a call whose caller already went away)."""
+        task = asyncio.create_task(self._cancel(worker, request_id, _left(deadline) + RESERVATION_GRACE_S))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
     # --- HTTP to workers ---
     async def _post(self, worker: WorkerState, path: str, body: BaseModel, out: type[ModelT],
-                    deadline: float) -> ModelT:
+                    deadline: float, hop_timeout: float | None = None) -> ModelT:
+        """POST and parse the answer. A worker that does not answer within `hop_timeout` (or the
+        stall timeout) is lost for this call; only the request's own deadline is a 504."""
+        wait = _left(deadline) if hop_timeout is None else min(_left(deadline), hop_timeout)
         try:
-            async with asyncio.timeout(_left(deadline)):
+            async with asyncio.timeout(wait):
                 resp = await self.client.post(f"{worker.url}{path}", content=body.model_dump_json(),
                                               headers={"content-type": "application/json"})
         except TimeoutError:
-            raise errors.timeout(f"deadline passed waiting for {worker.url}{path}") from None
+            if time.monotonic() >= deadline:
+                raise errors.timeout(f"deadline passed waiting for {worker.url}{path}") from None
+            raise WorkerLost(f"{worker.url}{path}: no answer within {wait:.3g}s") from None
         except httpx.HTTPError as exc:
             raise WorkerLost(f"{worker.url}{path}: {type(exc).__name__}: {exc}") from None
         if resp.status_code != 200:
@@ -266,13 +322,13 @@ class Dispatcher:
             raise WorkerLost(f"{worker.url}{path} answered something unreadable: {exc}") from None
 
     def _generate_stream(self, worker: WorkerState, request_id: str, prompt: list[int], sampling: Sampling,
-                         deadline: float, sampled_before: int = 0) -> AsyncIterator[TokenEvent]:
+                         deadline: float, sampled_before: int = 0) -> AsyncGenerator[TokenEvent, None]:
         body = GenerateRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
                                deadline_s=_left(deadline), sampled_before=sampled_before)
         return self._stream(worker, "/generate", body, deadline)
 
     async def _stream(self, worker: WorkerState, path: str, body: BaseModel,
-                      deadline: float) -> AsyncIterator[TokenEvent]:
+                      deadline: float) -> AsyncGenerator[TokenEvent, None]:
         # No asyncio.timeout around a generator that yields: the deadline is checked per chunk and
         # bounds every read, so a silent worker costs at most min(stall_timeout, time left).
         worker.active += 1

@@ -90,7 +90,8 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     @app.post("/kv/reserve")
     async def reserve(request: Request) -> dict[str, Any]:
-        return (await server.reserve(await _parse(request, ReserveRequest))).model_dump()
+        body = await _parse(request, ReserveRequest)
+        return (await server.reserve(body, request.is_disconnected)).model_dump()
 
     @app.post("/kv/cancel")
     async def cancel(request: Request) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import math
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from tandem.worker import metrics as m
@@ -149,8 +149,11 @@ class WorkerServer:
             self.intake = KVIntake(self._receiver, self._cancel_reservation)
             direction = "recv"
         else:
+            # A decode worker that stops answering fails the transfer after kv_wait_timeout, the time
+            # decode itself waits for KV, so a frozen peer does not hold the first token and threads
+            # here until the request's deadline.
             self._sender = make_sender(cfg.transport, layout, engine.kv_cache, telemetry=self.transfer_telemetry,
-                                       keys=cfg.keys)
+                                       keys=cfg.keys, silence_timeout_s=cfg.kv_wait_timeout)
             self.transport = str(self._sender.transport)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
             engine.set_layer_callback(self.shipper.on_layer)
@@ -295,7 +298,10 @@ class WorkerServer:
         sub = await self._add(loop, req.request_id, req.prompt_token_ids, req.sampling, req.sampled_before)
         return self._pump(loop, req.request_id, sub, time.monotonic() + req.deadline_s)
 
-    async def reserve(self, req: ReserveRequest) -> ReserveResponse:
+    async def reserve(self, req: ReserveRequest,
+                      caller_gone: Callable[[], Awaitable[bool]] | None = None) -> ReserveResponse:
+        """Set blocks aside for incoming KV. `caller_gone` (the HTTP request's is_disconnected) says
+        whether the router stopped waiting for the answer; then the reservation is given back at once."""
         loop = self._admit("decode")
         assert self.intake is not None and self.kv_address is not None
         if req.request_id in self.intake.reservations:
@@ -310,6 +316,13 @@ class WorkerServer:
         except Exception as exc:
             self._cancel_reservation(req.request_id)
             raise Rejected(500, f"could not expect the transfer: {exc}") from None
+        if caller_gone is not None and await caller_gone():
+            # The router gave up on this call (this worker was frozen or too slow) and went elsewhere:
+            # nobody would claim or cancel these blocks before the reservation expires.
+            log.warning("request %s: the router went away before its reservation was made; freeing %d blocks",
+                        req.request_id, len(res.block_ids))
+            self.intake.cancel(req.request_id)
+            raise Rejected(503, "the caller went away before the reservation was made")
         return ReserveResponse(transfer_id=res.transfer_id, kv_address=self.kv_address, block_ids=res.block_ids,
                                layout_hash=self.engine.kv_layout.layout_hash())
 

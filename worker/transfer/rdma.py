@@ -59,7 +59,7 @@ from .errors import (
 )
 from .rdma_verbs import QP_DEPTH, PyverbsVerbs, VerbsFactory
 from .tcp_receiver import TcpReceiver
-from .tcp_sender import OutgoingTransfer, TcpConnection, TcpSender
+from .tcp_sender import SILENCE_TIMEOUT_S, OutgoingTransfer, TcpConnection, TcpSender
 from .telemetry import TransferTelemetry
 from .tracking import Reservation
 from .zmqutil import check_deadline
@@ -557,6 +557,7 @@ class RdmaSender(TcpSender):
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
                  frame_bytes: int = 2 << 20, connect_timeout_s: float = 5.0,
+                 silence_timeout_s: float = SILENCE_TIMEOUT_S,
                  telemetry: TransferTelemetry | None = None, keys: KVKeys | None = None,
                  verbs_factory: VerbsFactory | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
                  **_tcp_only: Any) -> None:
@@ -565,7 +566,8 @@ class RdmaSender(TcpSender):
         self.verbs = (verbs_factory or PyverbsVerbs)(kv_cache, False)
         try:
             super().__init__(layout, kv_cache, layout_tag=layout_tag, streams=1, frame_bytes=frame_bytes,
-                             connect_timeout_s=connect_timeout_s, telemetry=telemetry, keys=keys)
+                             connect_timeout_s=connect_timeout_s, silence_timeout_s=silence_timeout_s,
+                             telemetry=telemetry, keys=keys)
         except BaseException:
             self.verbs.close()
             raise

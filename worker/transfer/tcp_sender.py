@@ -14,6 +14,11 @@ Backpressure: at most `max_inflight_bytes` of frames may be unacknowledged per c
 slow receiver slows the sender down instead of filling memory. Frames sent while the window is
 at most half full are not acknowledged one by one (their transfer's DONE or failure releases
 them); the others carry the ACK_ME flag, and the receiver acknowledges each once verified.
+
+A receiver that stops answering (a frozen or hopelessly overloaded process: its connection stays
+open) fails a transfer that waits on it with `timeout` after `silence_timeout_s` without a reply,
+not only at the transfer's deadline, which is the whole request's: a prefill worker must not hold
+its first token, nor its engine thread on a full window, that long.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ from .zmqutil import (
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
+SILENCE_TIMEOUT_S = 30.0  # a waiting transfer fails after this long without a word from its receiver
 
 
 @dataclass(frozen=True)
@@ -178,7 +184,9 @@ class TcpConnection:
         self.keys = sender.keys
         self.local_blocks = sender.kv_cache.shape[2]
         self.frame_bytes, self.max_inflight_bytes = sender.frame_bytes, sender.max_inflight_bytes
+        self.silence_timeout_s = sender.silence_timeout_s
         self.cv = threading.Condition()
+        self._last_reply = time.monotonic()  # when the receiver last said anything on the control socket
         self._inflight = 0  # bytes of frames not yet released, all transfers
         self._ack_me = 0  # the part of them flagged ACK_ME (released frame by frame)
         self._outbox: deque[list[bytes]] = deque()  # ABORTs for the I/O thread to send
@@ -369,12 +377,20 @@ class TcpConnection:
         hand them their replies), so the reply it waits for wakes it directly.
         """
         state = transfer._state
+        started = time.monotonic()
         while True:
             with self.cv:
-                remaining = transfer.deadline - time.monotonic()
-                if state.error is None and not predicate(state) and remaining <= 0:
-                    self._fail_locked(transfer, TransferError(TIMEOUT, f"deadline passed {what}",
-                                                              transfer.transfer_id), True)
+                now = time.monotonic()
+                remaining = transfer.deadline - now
+                silent = now - max(started, self._last_reply)
+                if state.error is None and not predicate(state):
+                    if remaining <= 0:
+                        self._fail_locked(transfer, TransferError(TIMEOUT, f"deadline passed {what}",
+                                                                  transfer.transfer_id), True)
+                    elif silent >= self.silence_timeout_s:
+                        self._fail_locked(transfer, TransferError(
+                            TIMEOUT, f"the receiver at {self.address} has not answered for {silent:.0f}s {what}",
+                            transfer.transfer_id), True)
                 if state.error is not None:
                     raise state.error
                 if predicate(state):
@@ -518,6 +534,7 @@ class TcpConnection:
                 log.exception("KV sender: error while handling a reply from %s; dropped", self.address)
 
     def _on_reply(self, parts: list[bytes]) -> None:
+        self._last_reply = time.monotonic()
         kind = parts[0]
         if kind == wire.ACK and len(parts) == 3:
             with self.cv:
@@ -567,8 +584,9 @@ class TcpSender:
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, layout_tag: str | None = None,
                  streams: int = 2, frame_bytes: int = 2 << 20, max_inflight_bytes: int = 64 << 20,
-                 connect_timeout_s: float = 5.0, telemetry: TransferTelemetry | None = None,
-                 keep_freed_buffers: bool = True, keys: KVKeys | None = None) -> None:
+                 connect_timeout_s: float = 5.0, silence_timeout_s: float = SILENCE_TIMEOUT_S,
+                 telemetry: TransferTelemetry | None = None, keep_freed_buffers: bool = True,
+                 keys: KVKeys | None = None) -> None:
         check_cache(layout, kv_cache)
         if keep_freed_buffers:  # staging buffers of gathered frames: see allocator.py
             allocator.keep_freed_buffers()
@@ -577,6 +595,7 @@ class TcpSender:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.connect_timeout_s = check_deadline(connect_timeout_s)
+        self.silence_timeout_s = check_deadline(silence_timeout_s)
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
         self.streams, self.frame_bytes, self.max_inflight_bytes = streams, frame_bytes, max_inflight_bytes
         self.telemetry = telemetry or TransferTelemetry()
@@ -584,6 +603,8 @@ class TcpSender:
         self.context = zmq.Context(io_threads=2)
         self._lock = threading.Lock()
         self._connections: dict[str, TcpConnection] = {}
+        self._handshakes: dict[str, threading.Lock] = {}  # per address: one handshake at a time
+        self._refused: dict[str, tuple[float, TransferError]] = {}  # per address: the last failed handshake
         self._closed = False
 
     def connect(self, address: str) -> TcpConnection:
@@ -594,16 +615,36 @@ class TcpSender:
         """
         if not isinstance(address, str) or not address.startswith("tcp://"):
             raise ValueError(f"a tcp KV receiver address looks like tcp://HOST:PORT, got {address!r}")
+        asked = time.monotonic()
         with self._lock:
             if self._closed:
                 raise TransferError(CLOSED, "the sender is closed")
-            conn = self._connections.get(address)
+            handshake = self._handshakes.setdefault(address, threading.Lock())
+        # Not under self._lock: a receiver that does not answer (frozen) holds up connect() calls for
+        # itself only, and those share the outcome of the handshake they waited for instead of each
+        # waiting connect_timeout_s again.
+        with handshake:
+            with self._lock:
+                conn = self._connections.get(address)
+                refused = self._refused.get(address)
             if conn is not None and conn.alive:
                 return conn
+            if refused is not None and refused[0] >= asked:
+                raise TransferError(refused[1].reason, refused[1].message)
             if conn is not None:
                 conn.close()
-            conn = self._open(address)
-            self._connections[address] = conn
+            try:
+                conn = self._open(address)
+            except TransferError as exc:
+                with self._lock:
+                    self._refused[address] = (time.monotonic(), exc)
+                raise
+            with self._lock:
+                if self._closed:
+                    conn.close()
+                    raise TransferError(CLOSED, "the sender is closed")
+                self._connections[address] = conn
+                self._refused.pop(address, None)
             return conn
 
     def _open(self, address: str) -> TcpConnection:
