@@ -71,11 +71,14 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
 @click.option("--ready-timeout", type=float, default=300.0, show_default=True)
 @click.option("--request-timeout", type=click.FloatRange(min=0.1), default=600.0, show_default=True,
               help="Per-request deadline enforced by the router.")
+@click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="The router counts a worker silent this long mid-request as lost (the request migrates).")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
             transport: str, secure_kv: bool, host: str, port: int, dtype: str, device: str, block_size: int, max_model_len: int | None,
             kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
-            state_file: Path | None, ready_timeout: float, request_timeout: float, prefill_fault: str | None) -> None:
+            state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
+            prefill_fault: str | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
@@ -89,7 +92,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype, device=device,
                          block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                          max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault,
-                         request_timeout=request_timeout, kv_keys=kv_keys)
+                         request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):

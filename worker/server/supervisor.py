@@ -71,6 +71,7 @@ class StackSpec:
     log_dir: Path = Path(".")
     prefill_fault: str | None = None  # test hook passed to prefill workers
     request_timeout: float = 600.0  # the router's per-request deadline
+    stall_timeout: float = 60.0  # the router's patience with a silent worker mid-request
     kv_keys: Path | None = None  # secure KV transfer: the keypair folder every worker gets (--kv-keys)
 
     def __post_init__(self) -> None:
@@ -128,7 +129,8 @@ class LocalStack:
             chunk = ["--chunked-prefill"] if s.mode == "chunked" else ["--no-chunked-prefill"]
             self.procs += [self._worker(f"worker-{i}", "both", chunk) for i in range(s.decode_workers)]
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
-                "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout)]
+                "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout),
+                "--stall-timeout", str(s.stall_timeout)]
         for p in self.workers:
             argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log"))
