@@ -6,8 +6,9 @@ blame healthy workers for it, and whatever the worker set aside for requests tha
 must be given back once it resumes. The KV transfer must not let a frozen receiver hold up its
 senders until the request's deadline.
 
-The stack here is started by hand (workers and a router with a short --stall-timeout, which
-`tandem serve` does not expose), so the stall-bound tests take seconds, not minutes.
+The stack here is started by hand (a router with a short --stall-timeout in front of one prefill
+and two decode workers, each of which a test freezes by pid), so the stall-bound tests take seconds,
+not minutes.
 """
 
 from __future__ import annotations
