@@ -3,7 +3,7 @@ whole body, time out on a long non-streaming request, stall their body, or stop 
 
 Whatever a client does, the workers stop working for it soon after and give back every KV block and
 reservation, and the other clients' outputs stay exactly what they are alone (greedy). The live
-tests use the session's disaggregated stack (tests/serving/conftest.py) and leave it idle; the
+tests use a disaggregated stack of this module's own and leave it idle; the
 stalled-body and stalled-reader checks drive the router's code directly, with short deadlines.
 """
 
@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
+import signal
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -29,6 +31,16 @@ from tandem.worker.router.dispatch import TokenEvent
 from tandem.worker.router.errors import APIError
 
 from .conftest import Stack, metric_value, wait_until_disaggregated
+
+
+@pytest.fixture(scope="module")
+def disagg(start_stack: Callable[..., Stack]) -> Iterator[Stack]:
+    """This module's own disaggregated stack: its crowds of departed clients can fill the decode worker's
+    KV, so some real requests take the no-room path (a fallback prefill), and other modules' tests on the
+    session's shared stack expect none."""
+    stack = start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1")
+    yield stack
+    stack.stop()
 
 LONG_PROMPT = " ".join(f"word{i}" for i in range(300))  # ~1350 tokens of the tiny model: a prefill worth catching
 
@@ -110,11 +122,17 @@ def test_a_client_gone_before_its_first_token_leaves_no_reservation(disagg: Stac
     for nobody (non-streaming)."""
     wait_until_disaggregated(disagg)
     decode = worker_urls(disagg)["decode"]
+    prefill_pid = next(p["pid"] for p in disagg.state["processes"] if p["role"] == "prefill")
     for i in range(3):
-        # Each prompt starts differently: a prefix-cache hit would make the prefill too quick to catch.
-        sock = send_raw(disagg, request(f"{i} {stream} {LONG_PROMPT}", 600, stream))
-        wait_for(decode, "num_reserved_blocks")
-        sock.close()
+        # The prefill worker is held (SIGSTOP) so that the client surely leaves before its first token,
+        # while the decode worker holds the reservation; a prefill is otherwise too quick to catch.
+        os.kill(prefill_pid, signal.SIGSTOP)
+        try:
+            sock = send_raw(disagg, request(f"{i} {stream} {LONG_PROMPT}", 600, stream))
+            wait_for(decode, "num_reserved_blocks")
+            sock.close()
+        finally:
+            os.kill(prefill_pid, signal.SIGCONT)
         assert seconds_until_idle(disagg, timeout=10) < 10
 
 
