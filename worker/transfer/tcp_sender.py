@@ -232,9 +232,20 @@ class TcpConnection:
         return self._broken is None and not self._closing
 
     def _handshake(self, sender: TcpSender, session: str) -> int:
-        self._control.send_multipart(wire.encode_control(wire.HELLO, wire.hello(
-            self.layout, sender.layout_tag, session, self.transport, self._hello_extra())))
-        if not self._await_reply(sender.connect_timeout_s):
+        hello = wire.encode_control(wire.HELLO, wire.hello(
+            self.layout, sender.layout_tag, session, self.transport, self._hello_extra()))
+        deadline = time.monotonic() + sender.connect_timeout_s
+        # Not a blocking send: while a security handshake keeps failing, zmq may have no pipe to queue
+        # the HELLO on, and the send would wait for one forever (seen once in CI: a 60 s test timeout).
+        while True:
+            if not self._await_control(zmq.POLLOUT, deadline):
+                break
+            try:
+                self._control.send_multipart(hello, zmq.NOBLOCK)
+                break
+            except zmq.Again:
+                continue
+        if time.monotonic() >= deadline or not self._await_control(zmq.POLLIN, deadline):
             self.telemetry.failed(self.transport, CONNECT_FAILED)
             raise TransferError(CONNECT_FAILED, f"no KV receiver answered at {self.address} within "
                                 f"{sender.connect_timeout_s:g}s")
@@ -252,16 +263,16 @@ class TcpConnection:
             stream.sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
         return int(reply["num_blocks"])
 
-    def _await_reply(self, timeout_s: float) -> bool:
-        """Wait for the handshake reply; a failed security handshake fails at once (auth_failed)."""
+    def _await_control(self, event: int, deadline: float) -> bool:
+        """Wait until the control socket can send (POLLOUT) or has the handshake reply (POLLIN), until
+        `deadline` (monotonic); a failed security handshake fails at once (auth_failed)."""
         poller = zmq.Poller()
-        poller.register(self._control, zmq.POLLIN)
+        poller.register(self._control, event)
         monitor = self._monitors[0]  # the control socket's
         poller.register(monitor, zmq.POLLIN)
-        deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             ready = dict(poller.poll(int(left * 1000) + 1))
-            if self._control in ready:
+            if ready.get(self._control, 0) & event:
                 return True
             if monitor in ready and monitor_events(monitor)[1]:  # failed security handshakes
                 self.telemetry.failed(self.transport, AUTH_FAILED)
