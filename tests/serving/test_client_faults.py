@@ -138,6 +138,34 @@ def test_a_client_gone_before_its_first_token_leaves_no_reservation(disagg: Stac
 
 @pytest.mark.integration
 @pytest.mark.slow
+def test_clients_that_leave_while_their_prompts_wait_are_not_prefilled(disagg: Stack) -> None:
+    """A crowd that leaves before its prompts were computed: the router cancels its /prefill calls and the
+    prefill worker drops those prompts instead of computing them for nobody (they used to be computed, all
+    of them, holding up everyone behind them)."""
+    wait_until_disaggregated(disagg)
+    prefill = worker_urls(disagg)["prefill"]
+    prefill_pid = next(p["pid"] for p in disagg.state["processes"] if p["role"] == "prefill")
+    prefilled_before = metric_value(prefill, "tandem_requests_total", reason="prefilled")
+    os.kill(prefill_pid, signal.SIGSTOP)  # every prompt of the crowd surely waits
+    try:
+        socks = [send_raw(disagg, request(f"crowd {i} {LONG_PROMPT}", 50, i % 2 == 0)) for i in range(12)]
+        wait_for(worker_urls(disagg)["decode"], "num_reserved_blocks")
+        time.sleep(0.5)  # the router has sent every /prefill by now (each is queued on the stopped worker)
+        for sock in socks:
+            sock.close()
+        time.sleep(1.0)  # the router looks every 0.25 s whether a client waiting for a first token is still there
+    finally:
+        os.kill(prefill_pid, signal.SIGCONT)
+    seconds_until_idle(disagg, timeout=10)
+    prefilled = metric_value(prefill, "tandem_requests_total", reason="prefilled") - prefilled_before
+    # The worker may see a caller's close only at its second look (0.25 s after the first; uvicorn reads
+    # the close once the handler asks), and this model computes a prompt in well under that: the first
+    # few prompts the engine takes up right after SIGCONT can still be computed (0 or 2 seen; 12 before).
+    assert prefilled <= 4, f"{prefilled:.0f} of 12 prompts were computed for clients that had left"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
 def test_a_non_streaming_client_that_times_out_stops_its_generation(disagg: Stack) -> None:
     """Nothing cancels a non-streaming handler when its client leaves: the router looks after each token."""
     decode = worker_urls(disagg)["decode"]

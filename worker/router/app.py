@@ -47,6 +47,7 @@ DEFAULT_MAX_REQUEST_BYTES = 32 << 20  # a 32 MiB JSON body is millions of tokens
 # A stream whose client reads nothing is closed this long after the request's deadline (the stream's own
 # deadline error comes first for a client that still reads).
 STALLED_CLIENT_GRACE_S = 5.0
+CLIENT_CHECK_S = 0.25  # how often a request waiting for its first token looks whether its client is still there
 
 
 @dataclass
@@ -244,16 +245,35 @@ async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
     if not req.stream:
         return await _collect(request, events, asm, shape, timer, len(prompt))
     try:
-        first = await anext(events)  # errors before the first token still get a proper status code
-    except StopAsyncIteration:
-        timer.done("error")
-        raise errors.internal("the workers finished without producing a token") from None
+        first = await _first_event(request, events)  # errors before the first token still get a proper status code
     except APIError:
         timer.done("error")
         raise
+    if first is None:
+        timer.done("error")
+        raise errors.internal("the workers finished without producing a token")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     return _EventStream(_stream(request, first, events, asm, shape, timer, len(prompt), include_usage), events,
                         deadline)
+
+
+async def _first_event(request: Request, events: AsyncIterator[TokenEvent]) -> TokenEvent | None:
+    """The request's first event (None if there is none). Until it comes the handler only waits, and
+    nothing cancels a waiting handler when its client leaves: look every CLIENT_CHECK_S and, once it has
+    left, cancel the wait (the dispatcher's calls to the workers are cancelled with it: the prefill worker
+    drops the prompt, the decode worker's reservation is cancelled) and end with a 499."""
+    waiting = asyncio.ensure_future(anext(events, None))
+    try:
+        while not (await asyncio.wait({waiting}, timeout=CLIENT_CHECK_S))[0]:
+            if await request.is_disconnected():
+                raise _client_gone()
+        return waiting.result()
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.wait({waiting})  # its clean-up runs to the end before the generator is closed
+        if not waiting.cancelled():
+            waiting.exception()  # retrieved: an error after the client left is nobody's to see
 
 
 def _client_gone() -> APIError:
@@ -343,7 +363,8 @@ async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: Tex
     deltas: list[Delta] = []
     reason: str | None = None
     try:
-        async for ev in events:
+        ev = await _first_event(request, events)
+        while ev is not None:
             timer.tokens(len(ev.token_ids))
             delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
             deltas.append(delta)
@@ -354,6 +375,7 @@ async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: Tex
             # event, or the workers would generate up to max_tokens for nobody.
             if await request.is_disconnected():
                 raise _client_gone()
+            ev = await anext(events, None)
     except APIError:
         timer.done("error")
         raise

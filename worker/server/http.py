@@ -86,7 +86,8 @@ def create_app(server: WorkerServer) -> FastAPI:
 
     @app.post("/prefill")
     async def prefill(request: Request) -> dict[str, Any]:
-        return (await server.prefill(await _parse(request, PrefillRequest))).model_dump()
+        body = await _parse(request, PrefillRequest)
+        return (await server.prefill(body, request.is_disconnected)).model_dump()
 
     @app.post("/kv/reserve")
     async def reserve(request: Request) -> dict[str, Any]:

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
 # The finish reasons tandem_requests_total counts on each role (the engine's finish_reason): a prefill
 # worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
+CALLER_CHECK_S = 0.25  # how often a waiting /prefill asks whether its caller is still there
 FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}
 
 
@@ -386,8 +387,14 @@ class WorkerServer:
         return self._pump(loop, req.request_id, sub, deadline,
                           StreamChunk(num_prompt_tokens=len(req.prompt_token_ids), fallback=True))
 
-    async def prefill(self, req: PrefillRequest) -> PrefillResponse:
+    async def prefill(self, req: PrefillRequest,
+                      caller_gone: Callable[[], Awaitable[bool]] | None = None) -> PrefillResponse:
+        """Prefill, ship the KV to req.target, return the first token. `caller_gone` (the HTTP request's
+        is_disconnected) is asked while the engine works: a router that stopped waiting (its client
+        left) gets the prompt dropped instead of computed for nobody."""
         loop = self._admit("prefill")
+        if caller_gone is not None and await caller_gone():  # it waited in a queue (or a frozen process)
+            raise Rejected(499, "the caller went away before the prefill started")
         rid, deadline = req.request_id, time.monotonic() + req.deadline_s
         ship_error: str | None = None
         shipping = False
@@ -417,7 +424,12 @@ class WorkerServer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Rejected(504, "the prefill deadline passed")
-                out = await asyncio.wait_for(sub.queue.get(), left)
+                try:
+                    out = await asyncio.wait_for(sub.queue.get(), min(left, CALLER_CHECK_S))
+                except TimeoutError:
+                    if caller_gone is not None and await caller_gone():
+                        raise Rejected(499, "the caller went away before the prefill finished") from None
+                    continue
                 if isinstance(out, EngineFailure):
                     raise Rejected(500, out.message)
                 if out.finished:
