@@ -220,9 +220,8 @@ class Dispatcher:
                 if target is not None and not decode.usable:
                     # A prefill worker waits for the receiver's confirmation before it answers: a decode
                     # worker that stopped answering holds it up, and would hold up the next one too.
-                    self._cancel_later(decode, request_id, deadline)
-                    raise WorkerLost(f"{decode.url} stopped answering while {worker.url} prefilled for it "
-                                     f"({exc})") from None
+                    raise self._abandon(decode, request_id, deadline, f"stopped answering while {worker.url} "
+                                        f"prefilled for it ({exc})") from None
                 self.registry.mark_down(worker.url, str(exc))
                 continue
             finally:
@@ -237,15 +236,13 @@ class Dispatcher:
                                self._finish_after_first(resp.first_token_id, sampling))
             if reservation is not None and not kv_ready and not decode.usable and event.finish_reason is None:
                 # Its /decode would only wait out the stall timeout: start over instead.
-                self._cancel_later(decode, request_id, deadline)
-                raise WorkerLost(f"{decode.url} stopped answering and the KV did not reach it")
+                raise self._abandon(decode, request_id, deadline, "stopped answering and the KV did not reach it")
             if event.finish_reason is not None:
                 await self._cancel(decode, request_id)
             return event, decode, kv_ready
         if reservation is not None:
             if not decode.usable:
-                self._cancel_later(decode, request_id, deadline)
-                raise WorkerLost(f"{decode.url} stopped answering during prefill")
+                raise self._abandon(decode, request_id, deadline, "stopped answering during prefill")
             await self._cancel(decode, request_id)
         return None
 
@@ -289,6 +286,12 @@ class Dispatcher:
         except httpx.HTTPError as exc:
             log.info("cancel of %s on %s failed (the reservation expires on its own): %s",
                      request_id, worker.url, exc)
+
+    def _abandon(self, decode: WorkerState, request_id: str, deadline: float, why: str) -> WorkerLost:
+        """Give up on a decode worker that stopped answering before the first token: its reservation is
+        cancelled (later) and the returned error makes generate() start over on another one."""
+        self._cancel_later(decode, request_id, deadline)
+        return WorkerLost(f"{decode.url} {why}")
 
     def _cancel_later(self, worker: WorkerState, request_id: str, deadline: float) -> None:
         """Cancel a reservation on a worker that stopped answering, without waiting. The call stays

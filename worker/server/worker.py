@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
 # The finish reasons tandem_requests_total counts on each role (the engine's finish_reason): a prefill
 # worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
-CALLER_CHECK_S = 0.25  # how often a waiting /prefill asks whether its caller is still there
 FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}
+CALLER_CHECK_S = 0.25  # how often a waiting /prefill asks whether its caller is still there
 
 
 class Rejected(Exception):
