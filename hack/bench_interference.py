@@ -49,7 +49,8 @@ import httpx
 from tandem.worker.bench.client import RequestResult, send_one
 from tandem.worker.bench.stats import percentile
 from tandem.worker.bench.workload import RequestSpec
-from tandem.worker.server.supervisor import LocalStack, StackSpec, free_port
+from tandem.worker.server.ports import free_port
+from tandem.worker.server.supervisor import LocalStack, StackSpec
 
 # Random-weight Llama-shaped models. "small" (~50M parameters) is the default: its decode step
 # (~23 ms on one core of the machine these numbers come from) is long against the HTTP/SSE path

@@ -38,10 +38,19 @@ def default_state_dir() -> Path:
     return Path(os.environ.get("TANDEM_CLUSTER_DIR") or k8s_build.cache_root() / "cluster")
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port not handed out before by this process (the kernel may offer one twice in a row).
+    (tandem.worker.server.ports has the same; this script runs without the package installed.)"""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def log(msg: str) -> None:

@@ -194,28 +194,39 @@ def on_unschedulable_pod(body: kopf.Body, **_: Any) -> None:
         _reconcile(body.metadata.namespace or "", owner)
 
 
+def _url_host(address: str) -> str:
+    """An address as the host part of a URL (IPv6 in brackets)."""
+    return f"[{address}]" if ":" in address else address
+
+
 @click.command("operator")
 @click.option("--namespace", "namespaces", multiple=True, help="Watch only this namespace (repeatable). Default: all.")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=8080, show_default=True,
               help="Serve Prometheus metrics on this port (0: off).")
 @click.option("--health-port", type=click.IntRange(1, 65535), default=8081, show_default=True,
               help="Serve GET /healthz (liveness and readiness) on this port.")
+@click.option("--listen-address", default="0.0.0.0", show_default=True,
+              help="Address the health and metrics endpoints listen on (127.0.0.1: this machine only).")
 @click.option("--prometheus-url", default=None, help="Prometheus the autoscaler queries.")
 @click.option("--autoscale-interval", type=click.FloatRange(1, 3600), default=15.0, show_default=True,
               help="Seconds between autoscaler decisions.")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Kubeconfig file. Default: in-cluster credentials, else $KUBECONFIG or ~/.kube/config.")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
-def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, prometheus_url: str | None,
-            autoscale_interval: float, kubeconfig: str | None, verbose: bool) -> None:
+def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, listen_address: str,
+            prometheus_url: str | None, autoscale_interval: float, kubeconfig: str | None, verbose: bool) -> None:
     """Run the Kubernetes operator that turns DisaggregatedModel resources into pools and a router."""
     global _kubeconfig
+    if metrics_port == health_port:
+        # Both would bind it: the metrics server first, and it answers every path with 200, so a
+        # liveness probe would pass while kopf failed to start.
+        raise click.UsageError(f"--metrics-port and --health-port are both {health_port}; give them different ports")
     # Not via $KUBECONFIG: the kubernetes library reads that once, when it is imported (already done).
     _kubeconfig = os.path.abspath(kubeconfig) if kubeconfig else None
     options = OperatorOptions(namespaces, metrics_port, health_port, prometheus_url, autoscale_interval, kubeconfig)
     kopf.configure(verbose=verbose)
     if metrics_port:
-        start_http_server(metrics_port)
+        start_http_server(metrics_port, addr=listen_address)
     # sharp: ticks on a fixed grid, so windows and "within two intervals" mean what they say.
     kopf.timer(api.GROUP, api.VERSION, api.PLURAL, id="autoscaler", interval=autoscale_interval,
                initial_delay=autoscale_interval, sharp=True)(autoscale)
@@ -223,7 +234,7 @@ def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, pr
         standalone=True,  # one operator replica; no kopf peering CRDs needed
         clusterwide=not namespaces,
         namespaces=list(namespaces),
-        liveness_endpoint=f"http://0.0.0.0:{health_port}/healthz",
+        liveness_endpoint=f"http://{_url_host(listen_address)}:{health_port}/healthz",
         memo=kopf.Memo(options=options, signals=signal_source(prometheus_url),
                        autoscaler_metrics=AutoscalerMetrics()),
     )

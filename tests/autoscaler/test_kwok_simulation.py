@@ -32,7 +32,6 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tandem.worker.server.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from operator_harness import OperatorProcess, wait_for
@@ -178,12 +179,6 @@ class Cluster:
             at = datetime.fromisoformat(e["eventTime"].replace("Z", "+00:00")).timestamp()
             found.append(Scale(at, match[1], e["reason"], int(match[2]), int(match[3]), e["message"]))
         return sorted(found, key=lambda s: s.t)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

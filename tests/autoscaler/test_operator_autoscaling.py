@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tandem.worker.server.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
 from operator_harness import OperatorProcess, autoscaled_resource, condition, wait_for
@@ -54,12 +55,6 @@ class Bed:
         return wait_for(what, probe, timeout=timeout, on_timeout=lambda: (
             f"--- status ---\n{json.dumps(self.dm().get('status'), indent=1)[-3000:]}\n"
             f"--- operator log ---\n{self.operator.log_tail(3000)}"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

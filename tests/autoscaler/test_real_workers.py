@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import pytest
 from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec
+from tandem.worker.server.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,12 +44,6 @@ class LocalStackSignals:
 
     def fetch(self, pool: str, sel: sig.Selector) -> sig.PoolSignals:
         return self.inner.fetch(pool, sig.Selector(sel.namespace, sel.model, "local", role=pool))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

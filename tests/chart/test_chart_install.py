@@ -28,6 +28,7 @@ import yaml
 from chart_helpers import CHART, REPO, helm_binary
 
 from tandem.operator import rbac
+from tandem.worker.server.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -37,14 +38,6 @@ RELEASE_NS = f"chart-sys-{RUN_ID}"
 WORK_NS = f"chart-work-{RUN_ID}"
 CPU_NODE = f"chart-cpu-{RUN_ID}"
 SAMPLE = REPO / "crds" / "samples" / "minimal.yaml"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cpu_node() -> dict[str, Any]:
@@ -99,8 +92,9 @@ class Operator:
         env.update(KUBECONFIG=str(installed.kubeconfig), TANDEM_OPERATOR_RESYNC_SECONDS="3")
         self.log_path = log
         with log.open("wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", *installed.args], env=env,
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            # Listening on this machine only; everything else as the chart says.
+            argv = [sys.executable, "-m", "tandem.worker.cli", *installed.args, "--listen-address=127.0.0.1"]
+            self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 
     def log(self) -> str:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ import httpx
 import promql_inventory as inventory
 import pytest
 
+from tandem.worker.server.ports import free_port
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 NAMESPACE = "tandem-test"
@@ -33,12 +34,6 @@ RESOURCE = "tiny-dm"  # the DisaggregatedModel name, as the PodMonitor's target 
 MODEL = "tiny"  # the served model name
 # Series that exist only after a decode worker dies mid-stream; nothing here kills one.
 NEEDS_A_MIGRATION = {"tandem_migrations_total"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Processes:

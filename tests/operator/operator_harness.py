@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -16,15 +15,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from tandem.worker.server.ports import free_port
+
 T = TypeVar("T")
 REPO = Path(__file__).resolve().parents[2]
 TANDEM = REPO / ".venv" / "bin" / "tandem"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def http_get(url: str) -> tuple[int, str]:
@@ -53,7 +48,8 @@ class OperatorProcess:
         log = open(self.log_path, "ab")  # noqa: SIM115 (the child owns it; closed on stop)
         self.proc = subprocess.Popen(
             [str(TANDEM), "operator", "--kubeconfig", str(self.kubeconfig), "--namespace", self.namespace,
-             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port), *self.extra_args],
+             "--health-port", str(self.health_port), "--metrics-port", str(self.metrics_port),
+             "--listen-address", "127.0.0.1", *self.extra_args],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
         )
         log.close()

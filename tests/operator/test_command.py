@@ -19,6 +19,15 @@ def test_help_lists_the_contract_options() -> None:
         assert option in result.output
 
 
+def test_one_port_for_health_and_metrics_is_refused_naming_both(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text("{}")
+    result = CliRunner().invoke(main, ["operator", "--kubeconfig", str(kubeconfig), "--metrics-port", "9000",
+                                       "--health-port", "9000"])
+    assert result.exit_code == 2
+    assert "--metrics-port and --health-port are both 9000" in result.output
+
+
 def test_missing_kubeconfig_is_a_clear_usage_error(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["operator", "--kubeconfig", str(tmp_path / "nope")])
     assert result.exit_code == 2

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,13 +22,9 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.worker.server.ports import free_port
+
 KV_CACHE_BYTES = 8 << 20  # 1024 blocks of the tiny model: plenty, and cheap to allocate
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

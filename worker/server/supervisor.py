@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,13 +18,9 @@ from pathlib import Path
 
 import httpx
 
+from tandem.worker.server.ports import free_port
+
 MODES = ("disaggregated", "monolithic", "chunked")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
