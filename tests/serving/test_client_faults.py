@@ -343,3 +343,24 @@ def test_a_stream_whose_client_reads_nothing_ends_after_the_deadline(monkeypatch
 
     assert asyncio.run(run()) < 3
     assert sorted(closed) == ["body", "events"]
+
+
+@pytest.mark.integration
+def test_a_cancel_that_overtakes_its_reservation_still_wins(disagg: Stack) -> None:
+    """The router cancels a reservation on another connection than the /kv/reserve it cancels, so the cancel
+    can reach the decode worker first (a client that leaves while its reserve is on its way). The worker
+    refuses the reserve that comes after, instead of holding its blocks until the reservation expires."""
+    wait_until_disaggregated(disagg)
+    decode = worker_urls(disagg)["decode"]
+    body = {"request_id": "overtaken-1", "num_tokens": 200, "deadline_s": 600}
+    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "overtaken-1"}, timeout=5).json() == \
+        {"cancelled": False}
+    late = httpx.post(f"{decode}/kv/reserve", json=body, timeout=5)
+    assert late.status_code == 409 and "cancelled before its reservation" in late.text
+    assert usage(decode) == IDLE
+    # Another request's reservation is untouched by it, and its own cancel still frees it.
+    ok = httpx.post(f"{decode}/kv/reserve", json=dict(body, request_id="not-overtaken-1"), timeout=5)
+    assert ok.status_code == 200 and usage(decode)["reserved"] == len(ok.json()["block_ids"])
+    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "not-overtaken-1"}, timeout=5).json() == \
+        {"cancelled": True}
+    seconds_until_idle(disagg, timeout=5)

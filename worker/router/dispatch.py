@@ -76,7 +76,7 @@ class Dispatcher:
         self.block_size = block_size
         self.stall_timeout = stall_timeout
         self.affinity = PrefixAffinity()
-        self._background: set[asyncio.Task[None]] = set()  # cancels sent without waiting (_cancel_later)
+        self._background: set[asyncio.Task[None]] = set()  # cancels in flight (_send_cancel)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(stall_timeout, connect=3.0), limits=limits)
 
@@ -280,7 +280,18 @@ class Dispatcher:
             raise WorkerLost(f"no decode worker answered /kv/reserve within {RESERVE_TIMEOUT_S:g}s")
         return None, answered
 
-    async def _cancel(self, worker: WorkerState, request_id: str, timeout: float = 3.0) -> None:
+    async def _cancel(self, worker: WorkerState, request_id: str) -> None:
+        """Cancel a reservation and wait for the answer. A caller cancelled meanwhile (its client left)
+        does not cut the call: the reservation would hold its blocks until it expires."""
+        await asyncio.shield(self._send_cancel(worker, request_id, timeout=3.0))
+
+    def _send_cancel(self, worker: WorkerState, request_id: str, timeout: float) -> asyncio.Task[None]:
+        task = asyncio.create_task(self._post_cancel(worker, request_id, timeout))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    async def _post_cancel(self, worker: WorkerState, request_id: str, timeout: float) -> None:
         try:
             await self.client.post(f"{worker.url}/kv/cancel", json={"request_id": request_id}, timeout=timeout)
         except httpx.HTTPError as exc:
@@ -297,9 +308,7 @@ class Dispatcher:
         """Cancel a reservation on a worker that stopped answering, without waiting. The call stays
         open until the reservation would expire anyway: a frozen worker reads it when it resumes (it
         drops a call whose caller already went away)."""
-        task = asyncio.create_task(self._cancel(worker, request_id, _left(deadline) + RESERVATION_GRACE_S))
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._send_cancel(worker, request_id, _left(deadline) + RESERVATION_GRACE_S)
 
     # --- HTTP to workers ---
     async def _post(self, worker: WorkerState, path: str, body: BaseModel, out: type[ModelT],

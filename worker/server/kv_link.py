@@ -123,6 +123,9 @@ class Reservation:
     created: float = field(default_factory=time.monotonic)
 
 
+EARLY_CANCEL_MEMORY_S = 120.0  # how long a cancel that found no reservation is remembered
+
+
 class KVIntake:
     """Decode-side reservations. All methods run on the event loop thread."""
 
@@ -130,6 +133,10 @@ class KVIntake:
         self.receiver = receiver
         self._release = release  # async-schedules engine.cancel_reservation(request_id)
         self.reservations: dict[str, Reservation] = {}
+        # Cancels that came before their reservation, oldest first, with when they are forgotten. The
+        # router sends a cancel on another connection than the reserve it cancels, so it can overtake
+        # that reserve; the reservation it finally makes must not outlive the cancel.
+        self._early_cancels: dict[str, float] = {}
 
     def open(self, request_id: str, block_ids: list[int], deadline_s: float) -> Reservation:
         loop = asyncio.get_running_loop()
@@ -162,11 +169,28 @@ class KVIntake:
         self._release(res.request_id)
 
     def cancel(self, request_id: str) -> bool:
+        """Give a reservation's blocks back. One that is not made yet is refused when it comes."""
         res = self.claim(request_id)
         if res is None:
+            self._forget_old_cancels()
+            self._early_cancels.pop(request_id, None)  # re-inserted: the dict stays ordered by expiry
+            self._early_cancels[request_id] = time.monotonic() + EARLY_CANCEL_MEMORY_S
             return False
         self.drop(res)
         return True
+
+    def cancelled_early(self, request_id: str) -> bool:
+        """Whether a cancel for this request came before any reservation for it."""
+        self._forget_old_cancels()
+        return request_id in self._early_cancels
+
+    def _forget_old_cancels(self) -> None:
+        now = time.monotonic()
+        while self._early_cancels:
+            oldest, forget_at = next(iter(self._early_cancels.items()))
+            if forget_at > now:
+                break
+            del self._early_cancels[oldest]
 
     def _expire(self, request_id: str) -> None:
         res = self.reservations.pop(request_id, None)
