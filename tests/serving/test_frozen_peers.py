@@ -233,6 +233,72 @@ def test_a_decode_worker_frozen_while_the_prefill_ships_its_kv_does_not_cost_twi
     stack.settle()
 
 
+@pytest.fixture(scope="module")
+def patient(stack: Stack, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """A second router in front of the same workers, with the default --stall-timeout (60 s): what the
+    router itself notices, rather than its stall timeout, decides how long a request waits."""
+    port = free_port()
+    workers = [a for p in stack.procs if p.role != "router"
+               for a in ("--prefill" if p.role == "prefill" else "--decode", p.url)]
+    log_path = tmp_path_factory.mktemp("patient") / "router.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen([sys.executable, "-m", "tandem.worker.cli", "router", "--port", str(port),
+                                  "--model-name", "tiny", "--model", str(tiny_model), "--request-timeout", "120",
+                                  *workers], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    router = Proc("patient-router", "router", f"http://127.0.0.1:{port}", popen)
+    patient = Stack(router.url, [*(p for p in stack.procs if p.role != "router"), router])
+    try:
+        limit = time.monotonic() + 60
+        while True:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                view = patient.router_view()
+                if len(view) == 3 and all(w["usable"] for w in view.values()):
+                    break
+            if time.monotonic() > limit or popen.poll() is not None:
+                pytest.fail(f"the second router did not come up:\n{log_path.read_text()[-1500:]}")
+            time.sleep(0.2)
+        yield patient
+    finally:
+        popen.kill()
+        popen.wait(10)
+
+
+@pytest.mark.slow
+def test_a_decode_worker_that_stops_answering_while_its_kv_ships_is_given_up_on_soon(patient: Stack) -> None:
+    """Frozen after its reservation, before the prefill worker shipped it the KV: the prefill worker would
+    wait its KV silence timeout (--kv-wait-timeout, 30 s) for a confirmation that cannot come, and the
+    router its stall timeout (60 s here). Once the router's polls have not reached the decode worker for
+    4 s it gives up on that /prefill and starts the request over on the other decode worker."""
+    expected = stream_ids(patient, 20)
+    # Two at once, so the prefill worker has a live KV connection to each decode worker (an earlier test
+    # may have broken one): a connection made after the freeze would fail its handshake within 5 s instead.
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda _: stream_ids(patient, 4), range(2)))
+    baseline = {p.url: p.holds() for p in patient.role("decode")}
+    prefill = patient.role("prefill")[0]
+    prefill.stop()  # holds the request between its reservation and its prefill
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(stream_ids(patient, 20)))
+    started = time.monotonic()
+    thread.start()
+    victim = None
+    while victim is None and time.monotonic() - started < 10:
+        victim = next((p for p in patient.role("decode") if p.holds()[0] > baseline[p.url][0]), None)
+    assert victim is not None, "no decode worker reserved KV for the request"
+    victim.stop()
+    frozen_at = time.monotonic()
+    prefill.resume()  # it computes the prompt and ships the KV to the frozen worker
+    try:
+        thread.join(60)
+        took = time.monotonic() - frozen_at
+    finally:
+        victim.resume()
+    assert result == [expected]
+    assert took < 12, f"took {took:.1f}s after the decode worker froze (its KV silence timeout is 30 s)"
+    assert victim.holds_at_most(baseline[victim.url], 10), victim.holds()
+    patient.settle()
+
+
 @pytest.mark.slow
 def test_a_decode_worker_frozen_mid_stream_is_left_and_taken_back(stack: Stack) -> None:
     """Frozen mid-stream: the stream moves on after the stall timeout with the same tokens; once resumed,

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -46,6 +46,10 @@ ModelT = TypeVar("ModelT", bound=BaseModel)
 DECODE_ROLES = ("decode", "both")
 MAX_MIGRATIONS = 3
 RESERVE_TIMEOUT_S = 5.0
+# A decode worker the registry has not reached for this long (its polls time out after 2 s) is given
+# up on while a prefill ships KV to it: frozen or hung, it would hold the request for the prefill
+# worker's whole KV silence timeout. Two failed polls, so one slow answer under load is not enough.
+DECODE_SILENT_S = 4.0
 RESERVATION_GRACE_S = 5.0  # a decode worker frees an unclaimed reservation this long after its deadline
 WAIT_FOR_WORKER_S = 10.0
 
@@ -203,7 +207,8 @@ class Dispatcher:
             worker.prefill_started(len(prompt))
             worker.active += 1
             try:
-                resp = await self._post(worker, "/prefill", body, PrefillResponse, deadline)
+                call = self._post(worker, "/prefill", body, PrefillResponse, deadline)
+                resp = await (self._unless_lost(decode, call) if target is not None else call)
             except (asyncio.CancelledError, errors.APIError):
                 # The caller went away or the deadline passed: nobody will claim the reservation.
                 if reservation is not None:
@@ -245,6 +250,27 @@ class Dispatcher:
                 raise self._abandon(decode, request_id, deadline, "stopped answering during prefill")
             await self._cancel(decode, request_id)
         return None
+
+    async def _unless_lost(self, decode: WorkerState, call: Awaitable[ModelT]) -> ModelT:
+        """Await a /prefill that ships KV to `decode`, giving it up (WorkerLost) once the registry's
+        polls have not reached `decode` for DECODE_SILENT_S: the prefill worker answers only after
+        the decode worker confirms the KV, and would wait its whole silence timeout for a frozen one."""
+        task = asyncio.ensure_future(call)
+        try:
+            while not task.done():
+                silent = time.monotonic() - decode.last_poll
+                if not decode.up and silent >= DECODE_SILENT_S:
+                    raise WorkerLost(f"{decode.url} has not answered for {silent:.1f}s ({decode.last_error})")
+                change = asyncio.ensure_future(self.registry.changed.wait())  # set after every poll round
+                try:
+                    await asyncio.wait({task, change}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+            return task.result()
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.wait({task})
 
     def _finish_after_first(self, token: int, sampling: Sampling) -> str | None:
         if (not sampling.ignore_eos and token in self.eos_token_ids) or token in sampling.stop_token_ids:

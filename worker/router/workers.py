@@ -135,9 +135,9 @@ class WorkerRegistry:
             resp.raise_for_status()
             info = WorkerInfo.model_validate(resp.json())
         except (httpx.HTTPError, ValidationError, ValueError) as exc:
-            if w.up:
-                log.warning("worker %s is down: %s", w.url, exc)
-            w.up, w.last_error = False, f"{type(exc).__name__}: {exc}"
+            w.up, was_up, w.last_error = False, w.up, f"{type(exc).__name__}: {exc}"  # a timeout's str() is empty
+            if was_up:
+                log.warning("worker %s is down: %s", w.url, w.last_error)
             return
         if self.model_name and info.model != self.model_name:
             w.up, w.last_error = False, f"serves model {info.model!r}, not {self.model_name!r}"
