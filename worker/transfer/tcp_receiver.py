@@ -44,6 +44,7 @@ from .zmqutil import (
     check_deadline,
     encode_transfer_id,
     monitor_events,
+    monitor_socket,
     source_fd,
 )
 
@@ -86,6 +87,7 @@ class TcpReceiver:
                 port = self._router.bind_to_random_port(f"tcp://{host}")
             else:
                 self._router.bind(f"tcp://{host}:{port}")
+            self._monitor = monitor_socket(self._router, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         except zmq.ZMQError as exc:
             self._router.close()
             if self._auth is not None:
@@ -93,7 +95,6 @@ class TcpReceiver:
             self._ctx.term()
             raise ValueError(f"cannot listen for KV transfers on {host}:{port}: {exc}") from exc
         self.address = f"tcp://{host}:{port}"
-        self._monitor = self._router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
         self._lock = threading.Lock()  # guards _reservations; held while a frame is written
         self._reservations: dict[str, Reservation] = {}
         self._outcomes: OrderedDict[str, TransferError | None] = OrderedDict()

@@ -62,6 +62,7 @@ from .zmqutil import (
     disconnected_fds,
     encode_transfer_id,
     monitor_events,
+    monitor_socket,
 )
 
 log = logging.getLogger(__name__)
@@ -202,12 +203,17 @@ class TcpConnection:
         self._reader_wakeup = Wakeup()
         session = uuid.uuid4().hex
         self._monitors: list[zmq.Socket[bytes]] = []
-        self._control = self._socket(sender, f"{session}/control")
-        self._streams = [_Stream(self._socket(sender, f"{session}/{index}")) for index in range(sender.streams)]
+        self._opened: list[zmq.Socket[bytes]] = []  # closed here if the connection never comes up
         try:
+            self._control = self._socket(sender, f"{session}/control")
+            self._streams = [_Stream(self._socket(sender, f"{session}/{index}")) for index in range(sender.streams)]
             self.remote_blocks = self._handshake(sender, session)
         except BaseException:
-            self._close_sockets()
+            # Nobody else holds these yet. A socket left open would make the context's term() wait forever.
+            for sock in (*self._opened, *self._monitors):
+                sock.close()
+            self._wakeup.close()
+            self._reader_wakeup.close()
             raise
         self._reader_poller = zmq.Poller()
         self._reader_poller.register(self._control, zmq.POLLIN)
@@ -217,13 +223,14 @@ class TcpConnection:
 
     def _socket(self, sender: TcpSender, identity: str) -> zmq.Socket[bytes]:
         sock = sender.context.socket(zmq.DEALER)
+        self._opened.append(sock)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
         for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
             sock.setsockopt(option, value)
         if sender.keys is not None:
             connect_securely(sock, sender.keys)
         events = zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS
-        self._monitors.append(sock.get_monitor_socket(events))
+        self._monitors.append(monitor_socket(sock, events))
         sock.connect(self.address)
         return sock
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import uuid
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -15,6 +16,16 @@ HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE
 
 # Transfer ids are request ids; bounded so a header never balloons.
 MAX_TRANSFER_ID_BYTES = 256
+
+
+def monitor_socket(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
+    """A PAIR socket receiving `sock`'s monitor events, on an inproc endpoint of its own.
+
+    pyzmq's default endpoint is named after the socket's file descriptor, and a closed socket keeps
+    its endpoint until zmq's reaper has finished with it (its linger): a new socket that got the same
+    descriptor number meanwhile fails with "Address already in use" (seen in CI on a reconnect).
+    """
+    return sock.get_monitor_socket(events, addr=f"inproc://tandem-monitor-{uuid.uuid4().hex}")
 
 
 class Wakeup:
