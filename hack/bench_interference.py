@@ -72,18 +72,6 @@ def write_model(folder: Path, config: dict[str, Any]) -> Path:
     return folder
 
 
-def wait_ready(stack: LocalStack, timeout: float = 300) -> None:
-    limit = time.monotonic() + timeout
-    with httpx.Client() as client:
-        while time.monotonic() < limit:
-            if stack.dead():
-                raise RuntimeError(f"{stack.dead()[0].name} exited:\n{stack.dead()[0].log_tail()}")
-            if all(ok for ok, _ in stack.poll_ready(client).values()):
-                return
-            time.sleep(0.5)
-    raise RuntimeError("stack not ready in time")
-
-
 def random_ids(n: int, rng: random.Random, vocab: int = 512) -> list[int]:
     return [rng.randrange(10, vocab) for _ in range(n)]
 
@@ -248,7 +236,7 @@ def run_mode(mode: str, model_dir: Path, args: argparse.Namespace, log_root: Pat
     where = pin_stack(stack, cores, args.prefill_idle) if cores else {}
     stack.start()
     try:
-        wait_ready(stack)
+        stack.wait_ready()
         ours = [os.getpid(), *(p.pid for p in stack.procs if p.pid)]
         decode_pid = next((p.pid for p in stack.procs if p.role in ("decode", "both")), None)
         before, t0, load0 = cpu_snapshot(ours), time.monotonic(), os.getloadavg()[0]

@@ -37,18 +37,6 @@ PROMPTS = [[10 + (7 * i + 13 * j) % 500 for j in range(length)] for i, length in
 MAX_TOKENS = 48
 
 
-def wait_ready(stack: LocalStack, timeout: float = 240) -> None:
-    limit = time.monotonic() + timeout
-    with httpx.Client() as client:
-        while time.monotonic() < limit:
-            if stack.dead():
-                raise RuntimeError(f"{stack.dead()[0].name} exited:\n{stack.dead()[0].log_tail()}")
-            if all(ok for ok, _ in stack.poll_ready(client).values()):
-                return
-            time.sleep(0.5)
-    raise RuntimeError(f"the stack was not ready within {timeout:g}s")
-
-
 def stream(url: str, prompt: list[int]) -> tuple[list[int], float, list[float]]:
     """Token ids, time to first token, and the gaps between later tokens, of one greedy stream."""
     body = {"model": "gpu-check", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
@@ -77,7 +65,7 @@ def run(model_dir: Path, logs: Path, mode: str, device: str) -> dict[str, Any]:
     stack.start()
     try:
         started = time.monotonic()
-        wait_ready(stack)
+        stack.wait_ready(240)
         ready_s = time.monotonic() - started
         stream(stack.url, PROMPTS[0])  # warm-up (CUDA kernels, allocator)
         tokens, ttfts, gaps = [], [], []

@@ -208,29 +208,43 @@ def test_a_decode_worker_frozen_while_the_prefill_ships_its_kv_does_not_cost_twi
     prefill: two stall timeouts plus a cancel's), and once the worker resumes it holds nothing for it."""
     expected = stream_ids(stack, 20)
     baseline = {p.url: p.holds() for p in stack.role("decode")}
-    prefill = stack.role("prefill")[0]
-    prefill.stop()  # holds the request between its reservation and its prefill
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(stream_ids(stack, 20)))
-    started = time.monotonic()
-    thread.start()
-    victim = None
-    while victim is None and time.monotonic() - started < 10:
-        victim = next((p for p in stack.role("decode") if p.holds()[0] > baseline[p.url][0]), None)
-    assert victim is not None, "no decode worker reserved KV for the request"
-    victim.stop()
-    prefill.resume()  # it computes the prompt and ships the KV to the frozen worker
-    try:
-        thread.join(60)
-        took = time.monotonic() - started
-    finally:
-        victim.resume()
-    assert result == [expected]
+    result, took, victim = freeze_the_decode_worker_while_its_kv_ships(stack, 20)
+    assert result == expected
     assert took < 1.7 * STALL_S, f"took {took:.1f}s"
     # The router cancelled the reservation with a call the frozen worker reads when it resumes (it
     # used to stay until it expired, the request's deadline + 5 s).
     assert victim.holds_at_most(baseline[victim.url], 10), victim.holds()
     stack.settle()
+
+
+def freeze_the_decode_worker_while_its_kv_ships(stack: Stack, max_tokens: int) -> tuple[list[int], float, Proc]:
+    """One request whose decode worker freezes after reserving its KV, before the prefill worker ships
+    it (the prefill worker is held stopped until then). Returns its tokens, the seconds from the freeze
+    to its end, and the frozen worker (resumed by then)."""
+    baseline = {p.url: p.holds()[0] for p in stack.role("decode")}
+    prefill = stack.role("prefill")[0]
+    prefill.stop()  # holds the request between its reservation and its prefill
+    result: list[list[int]] = []
+    thread = threading.Thread(target=lambda: result.append(stream_ids(stack, max_tokens)))
+    started = time.monotonic()
+    thread.start()
+    victim = None
+    while victim is None and time.monotonic() - started < 10:
+        victim = next((p for p in stack.role("decode") if p.holds()[0] > baseline[p.url]), None)
+    if victim is None:
+        prefill.resume()
+        thread.join(60)
+        pytest.fail("no decode worker reserved KV for the request")
+    victim.stop()
+    frozen_at = time.monotonic()
+    prefill.resume()  # it computes the prompt and ships the KV to the frozen worker
+    try:
+        thread.join(60)
+        took = time.monotonic() - frozen_at
+    finally:
+        victim.resume()
+    assert result, "the request did not finish within 60 s"
+    return result[0], took, victim
 
 
 @pytest.fixture(scope="module")
@@ -275,25 +289,8 @@ def test_a_decode_worker_that_stops_answering_while_its_kv_ships_is_given_up_on_
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda _: stream_ids(patient, 4), range(2)))
     baseline = {p.url: p.holds() for p in patient.role("decode")}
-    prefill = patient.role("prefill")[0]
-    prefill.stop()  # holds the request between its reservation and its prefill
-    result: list[Any] = []
-    thread = threading.Thread(target=lambda: result.append(stream_ids(patient, 20)))
-    started = time.monotonic()
-    thread.start()
-    victim = None
-    while victim is None and time.monotonic() - started < 10:
-        victim = next((p for p in patient.role("decode") if p.holds()[0] > baseline[p.url][0]), None)
-    assert victim is not None, "no decode worker reserved KV for the request"
-    victim.stop()
-    frozen_at = time.monotonic()
-    prefill.resume()  # it computes the prompt and ships the KV to the frozen worker
-    try:
-        thread.join(60)
-        took = time.monotonic() - frozen_at
-    finally:
-        victim.resume()
-    assert result == [expected]
+    result, took, victim = freeze_the_decode_worker_while_its_kv_ships(patient, 20)
+    assert result == expected
     assert took < 12, f"took {took:.1f}s after the decode worker froze (its KV silence timeout is 30 s)"
     assert victim.holds_at_most(baseline[victim.url], 10), victim.holds()
     patient.settle()

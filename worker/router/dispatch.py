@@ -50,6 +50,8 @@ RESERVE_TIMEOUT_S = 5.0
 # up on while a prefill ships KV to it: frozen or hung, it would hold the request for the prefill
 # worker's whole KV silence timeout. Two failed polls, so one slow answer under load is not enough.
 DECODE_SILENT_S = 4.0
+KEEPALIVE_S = 10.0  # idle connections to workers are dropped after this; workers keep theirs 30 s (run.py)
+CANCEL_ATTEMPTS = 3  # a reservation's cancel is sent again when its connection fails (not on a timeout)
 RESERVATION_GRACE_S = 5.0  # a decode worker frees an unclaimed reservation this long after its deadline
 WAIT_FOR_WORKER_S = 10.0
 
@@ -81,7 +83,7 @@ class Dispatcher:
         self.stall_timeout = stall_timeout
         self.affinity = PrefixAffinity()
         self._background: set[asyncio.Task[None]] = set()  # cancels in flight (_send_cancel)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(stall_timeout, connect=3.0), limits=limits)
 
     async def close(self) -> None:
@@ -318,11 +320,21 @@ class Dispatcher:
         return task
 
     async def _post_cancel(self, worker: WorkerState, request_id: str, timeout: float) -> None:
-        try:
-            await self.client.post(f"{worker.url}/kv/cancel", json={"request_id": request_id}, timeout=timeout)
-        except httpx.HTTPError as exc:
-            log.info("cancel of %s on %s failed (the reservation expires on its own): %s",
-                     request_id, worker.url, exc)
+        give_up_at = time.monotonic() + timeout
+        for attempt in range(1, CANCEL_ATTEMPTS + 1):
+            try:
+                await self.client.post(f"{worker.url}/kv/cancel", json={"request_id": request_id},
+                                       timeout=max(0.001, give_up_at - time.monotonic()))
+                return
+            except httpx.HTTPError as exc:
+                # Not a timeout: most often a pooled connection the worker closed while idle (its
+                # keep-alive ran out just before it froze, say). A new connection gets through.
+                if isinstance(exc, httpx.TimeoutException) or attempt == CANCEL_ATTEMPTS:
+                    log.info("cancel of %s on %s failed (the reservation expires on its own): %s: %s",
+                             request_id, worker.url, type(exc).__name__, exc)
+                    return
+                log.info("cancel of %s on %s failed (%s: %s); sending it again", request_id, worker.url,
+                         type(exc).__name__, exc)
 
     def _abandon(self, decode: WorkerState, request_id: str, deadline: float, why: str) -> WorkerLost:
         """Give up on a decode worker that stopped answering before the first token: its reservation is

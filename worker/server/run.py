@@ -54,8 +54,10 @@ class DrainingServer(uvicorn.Server):
 def run_worker(cfg: WorkerConfig) -> int:
     worker = WorkerServer(cfg)
     app = create_app(worker)
+    # Idle connections stay open longer than the router keeps them (dispatch.KEEPALIVE_S): with equal
+    # limits a router could send on one this worker is closing, and read an error instead of an answer.
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="off")
+                            timeout_graceful_shutdown=5, timeout_keep_alive=30, lifespan="off")
     server = DrainingServer(config, worker)
     loader = threading.Thread(target=_load, args=(worker,), name="model-loader", daemon=True)
     loader.start()

@@ -157,6 +157,18 @@ class LocalStack:
             out[p.name] = (ok, float(body.get("load_progress", 1.0 if ok else 0.0)))
         return out
 
+    def wait_ready(self, timeout: float = 300.0) -> None:
+        """Block until every process is ready (see poll_ready); RuntimeError naming a process that exited."""
+        limit = time.monotonic() + timeout
+        with httpx.Client() as client:
+            while time.monotonic() < limit:
+                if self.dead():
+                    raise RuntimeError(f"{self.dead()[0].name} exited:\n{self.dead()[0].log_tail()}")
+                if all(ok for ok, _ in self.poll_ready(client).values()):
+                    return
+                time.sleep(0.5)
+        raise RuntimeError(f"the stack was not ready within {timeout:g}s")
+
     def _router_sees_all_workers(self, client: httpx.Client) -> bool:
         try:
             workers = client.get(f"{self.router.url}/workers", timeout=1.0).json()
