@@ -44,6 +44,9 @@ TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FA
 # worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
 FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}
 CALLER_CHECK_S = 0.25  # how often a waiting /prefill asks whether its caller is still there
+# ...and its first look, soon after the prompt went to the engine: a close that arrived with the request
+# (a router that stopped waiting while this worker was frozen) is read only a few loop turns after it.
+FIRST_CALLER_CHECK_S = 0.02
 
 
 class Rejected(Exception):
@@ -424,16 +427,18 @@ class WorkerServer:
                 self.shipper.abort(rid, "the prefill request was rejected")  # type: ignore[union-attr]
             raise
         finished = False
+        look_in = FIRST_CALLER_CHECK_S
         try:
             while True:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise Rejected(504, "the prefill deadline passed")
                 try:
-                    out = await asyncio.wait_for(sub.queue.get(), min(left, CALLER_CHECK_S))
+                    out = await asyncio.wait_for(sub.queue.get(), min(left, look_in))
                 except TimeoutError:
                     if caller_gone is not None and await caller_gone():
                         raise Rejected(499, "the caller went away before the prefill finished") from None
+                    look_in = CALLER_CHECK_S
                     continue
                 if isinstance(out, EngineFailure):
                     raise Rejected(500, out.message)
