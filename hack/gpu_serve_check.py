@@ -14,7 +14,7 @@ Part of hack/gpu_checks.sh; runs on a CPU-only machine too (then both stacks use
 from __future__ import annotations
 
 import argparse
-import itertools
+import asyncio
 import json
 import statistics
 import sys
@@ -26,6 +26,8 @@ from typing import Any
 import httpx
 import torch
 
+from tandem.worker.bench.client import RequestResult, send_one
+from tandem.worker.bench.workload import RequestSpec
 from tandem.worker.model.tiny import write_tiny_model
 from tandem.worker.server.ports import free_port
 from tandem.worker.server.supervisor import LocalStack, StackSpec
@@ -37,25 +39,17 @@ PROMPTS = [[10 + (7 * i + 13 * j) % 500 for j in range(length)] for i, length in
 MAX_TOKENS = 48
 
 
-def stream(url: str, prompt: list[int]) -> tuple[list[int], float, list[float]]:
-    """Token ids, time to first token, and the gaps between later tokens, of one greedy stream."""
-    body = {"model": "gpu-check", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
-            "ignore_eos": True, "return_token_ids": True}
-    ids: list[int] = []
-    stamps: list[float] = []
-    start = time.perf_counter()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
-        if resp.status_code != 200:
-            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode()[:300]}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                new = choice.get("token_ids") or []
-                ids += new
-                stamps += [time.perf_counter()] * len(new)
-    gaps = [b - a for a, b in itertools.pairwise(stamps)]
-    return ids, stamps[0] - start, gaps
+def stream(url: str, prompt: list[int]) -> RequestResult:
+    """One greedy stream through the router, timed per token (tandem bench's client)."""
+    async def one() -> RequestResult:
+        async with httpx.AsyncClient() as client:
+            return await send_one(client, url, "gpu-check", RequestSpec(0.0, len(prompt), MAX_TOKENS), prompt,
+                                  timeout=120, token_ids=True)
+
+    result = asyncio.run(one())
+    if not result.ok or len(result.token_ids) != MAX_TOKENS:
+        raise RuntimeError(f"the request failed: {result.error or f'{len(result.token_ids)} token ids came back'}")
+    return result
 
 
 def run(model_dir: Path, logs: Path, mode: str, device: str) -> dict[str, Any]:
@@ -68,12 +62,10 @@ def run(model_dir: Path, logs: Path, mode: str, device: str) -> dict[str, Any]:
         stack.wait_ready(240)
         ready_s = time.monotonic() - started
         stream(stack.url, PROMPTS[0])  # warm-up (CUDA kernels, allocator)
-        tokens, ttfts, gaps = [], [], []
-        for prompt in PROMPTS:
-            ids, ttft, between = stream(stack.url, prompt)
-            tokens.append(ids)
-            ttfts.append(ttft)
-            gaps += between
+        results = [stream(stack.url, prompt) for prompt in PROMPTS]
+        tokens = [r.token_ids for r in results]
+        ttfts = [r.ttft for r in results if r.ttft is not None]
+        gaps = [gap for r in results for gap in r.itls]
         return {"mode": mode, "device": device, "ready_s": round(ready_s, 1), "tokens": tokens,
                 "ttft_ms_median": round(statistics.median(ttfts) * 1e3, 2),
                 "itl_ms_median": round(statistics.median(gaps) * 1e3, 3) if gaps else None}

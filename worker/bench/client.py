@@ -30,6 +30,7 @@ class RequestResult:
     output_tokens: int = 0
     error: str | None = None
     text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # filled when asked for (send_one's token_ids)
 
 
 async def model_name(client: httpx.AsyncClient, url: str) -> str:
@@ -88,6 +89,8 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: Reques
                         result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                         result.output_tokens = chunk["usage"]["completion_tokens"]
                     choices = chunk.get("choices") or []
+                    if token_ids and choices:
+                        result.token_ids += choices[0].get("token_ids") or []
                     if choices and (choices[0].get("token_ids") if token_ids else True):
                         now = time.monotonic()
                         if result.ttft is None:

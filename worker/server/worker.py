@@ -310,8 +310,6 @@ class WorkerServer:
         assert self.intake is not None and self.kv_address is not None
         if req.request_id in self.intake.reservations:
             raise Rejected(409, f"request {req.request_id!r} already has a reservation here")
-        if self.intake.cancelled_early(req.request_id):
-            raise Rejected(409, f"request {req.request_id!r} was cancelled before its reservation was made")
         blocks = await loop.acall(lambda e: e.reserve_kv(req.request_id, req.num_tokens))
         if blocks is None:
             raise Rejected(503, f"no room for {req.num_tokens} tokens of KV on this worker now")
@@ -322,7 +320,7 @@ class WorkerServer:
         except Exception as exc:
             self._cancel_reservation(req.request_id)
             raise Rejected(500, f"could not expect the transfer: {exc}") from None
-        if self.intake.cancelled_early(req.request_id):  # the cancel came while the engine set blocks aside
+        if self.intake.cancelled_early(req.request_id):  # its cancel came first (or while the engine worked)
             self.intake.cancel(req.request_id)
             raise Rejected(409, f"request {req.request_id!r} was cancelled before its reservation was made")
         if caller_gone is not None and await caller_gone():
