@@ -5,6 +5,12 @@ checksum, reservation) before writing it, acknowledges the frames the sender fla
 backpressure credit), and enforces deadlines. Every reply goes to the sender's control socket:
 its data sockets are only ever sent on. A sender connection that closes mid-transfer is noticed
 through a zmq socket monitor and fails that sender's transfers at once.
+
+The monitor names a connection by its file descriptor, and the kernel gives a closed
+descriptor's number to the next connection it accepts: "fd 12 closed" may be read after a new
+sender's handshake on the new fd 12. So each binding of a session to a descriptor records how
+many connections that descriptor had been accepted for (its epoch), and a close applies only to
+bindings of its own epoch or older.
 """
 
 from __future__ import annotations
@@ -87,7 +93,8 @@ class TcpReceiver:
                 port = self._router.bind_to_random_port(f"tcp://{host}")
             else:
                 self._router.bind(f"tcp://{host}:{port}")
-            self._monitor = monitor_socket(self._router, zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED_EVENTS)
+            self._monitor = monitor_socket(self._router, zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+                                           | HANDSHAKE_FAILED_EVENTS)
         except zmq.ZMQError as exc:
             self._router.close()
             if self._auth is not None:
@@ -100,7 +107,10 @@ class TcpReceiver:
         self._outcomes: OrderedDict[str, TransferError | None] = OrderedDict()
         self._sessions: dict[str, _Session] = {}
         self._identity_session: dict[bytes, str] = {}
-        self._fd_session: dict[int, str] = {}
+        # Connection bookkeeping of the I/O thread, fed by the monitor (see the module docstring):
+        self._accepted: dict[int, int] = {}  # fd -> connections accepted on it so far (its epoch)
+        self._fd_sessions: dict[int, dict[str, int]] = {}  # fd -> {session id: epoch when bound}
+        self._closes: list[tuple[int, int]] = []  # (fd, epoch) of closes read but not yet applied
         self._closing = False
         self._wakeup = Wakeup()
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{port}", daemon=True)
@@ -188,15 +198,15 @@ class TcpReceiver:
             events = dict(poller.poll(self._poll_timeout_ms()))
             if self._wakeup.fd in events:
                 self._wakeup.clear()
-            closed, refused = monitor_events(self._monitor) if self._monitor in events else ([], 0)
-            if refused:
-                self._refused_peers(refused)
-            if self._router in events or closed:
+            if self._monitor in events:
+                self._read_monitor()
+            if self._router in events or self._closes:
                 # A closed peer's last messages are queued before its disconnect event is sent:
                 # read them all first, so its session is known when the disconnect is handled.
-                self._drain_router(until_empty=bool(closed))
-            for fd in closed:
-                self._peer_closed(fd)
+                self._drain_router()
+            closes, self._closes = self._closes, []
+            for fd, epoch in closes:
+                self._peer_closed(fd, epoch)
             self._expire()
         self._fail_all(TransferError(CLOSED, "the receiver was closed"))
 
@@ -215,9 +225,23 @@ class TcpReceiver:
         for _ in range(count):
             self.telemetry.failed(self.transport, AUTH_FAILED)
 
-    def _drain_router(self, until_empty: bool = False) -> None:
+    def _read_monitor(self) -> None:
+        """Read the monitor's pending events, in order: count accepts per fd, queue closes."""
+        refused = 0
+        for event, fd in monitor_events(self._monitor):
+            if event == zmq.EVENT_ACCEPTED:
+                self._accepted[fd] = self._accepted.get(fd, 0) + 1
+            elif event == zmq.EVENT_DISCONNECTED:
+                self._closes.append((fd, self._accepted.get(fd, 0)))
+            else:  # a failed security handshake (the only other events asked for)
+                refused += 1
+        if refused:
+            self._refused_peers(refused)
+
+    def _drain_router(self) -> None:
         handled = 0
-        while until_empty or handled < 256:  # bounded, so deadlines and monitor events get their turn
+        # Bounded, so deadlines and monitor events get their turn; unbounded while closes wait.
+        while handled < 256 or self._closes:
             handled += 1
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -296,8 +320,12 @@ class TcpReceiver:
         session.identities.add(identity)
         self._identity_session[identity] = session.session_id
         if fd is not None:
+            # zmq reported this connection's accept before it delivered the connection's first
+            # message: read the monitor now, and the epoch below is this connection's (or, if it
+            # died at once and another took its fd, a later one: its session then ends with that).
+            self._read_monitor()
             session.fds.add(fd)
-            self._fd_session[fd] = session.session_id
+            self._fd_sessions.setdefault(fd, {})[session.session_id] = self._accepted.get(fd, 0)
 
     def _on_transfer_control(self, identity: bytes, kind: bytes, msg: dict[str, object]) -> None:
         transfer_id = str(msg.get("transfer_id"))
@@ -440,13 +468,21 @@ class TcpReceiver:
                 f"{len(reservation.block_ids) * 2 * self.layout.num_layers} (layer, K/V, block) pieces missing",
                 reservation.transfer_id), None)
 
-    def _peer_closed(self, fd: int) -> None:
-        session_id = self._fd_session.pop(fd, None)
-        session = self._sessions.pop(session_id, None) if session_id else None
+    def _peer_closed(self, fd: int, epoch: int) -> None:
+        """The connection of `epoch` on `fd` closed: end the sessions bound to it (not a newer one's)."""
+        bound = self._fd_sessions.get(fd, {})
+        for session_id in [s for s, bound_in in bound.items() if bound_in <= epoch]:
+            self._end_session(session_id)
+
+    def _end_session(self, session_id: str) -> None:
+        session = self._sessions.pop(session_id, None)
         if session is None:
             return
-        for other_fd in session.fds:
-            self._fd_session.pop(other_fd, None)
+        for fd in session.fds:
+            bound = self._fd_sessions.get(fd, {})
+            bound.pop(session_id, None)
+            if not bound:
+                self._fd_sessions.pop(fd, None)
         for identity in session.identities:
             self._identity_session.pop(identity, None)
         self._session_closed(session.session_id)

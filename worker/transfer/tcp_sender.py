@@ -61,7 +61,7 @@ from .zmqutil import (
     check_deadline,
     disconnected_fds,
     encode_transfer_id,
-    monitor_events,
+    failed_handshakes,
     monitor_socket,
 )
 
@@ -281,7 +281,7 @@ class TcpConnection:
             ready = dict(poller.poll(int(left * 1000) + 1))
             if ready.get(self._control, 0) & event:
                 return True
-            if monitor in ready and monitor_events(monitor)[1]:  # failed security handshakes
+            if monitor in ready and failed_handshakes(monitor):
                 self.telemetry.failed(self.transport, AUTH_FAILED)
                 ours = "with" if self.keys is not None else "without"
                 raise TransferError(AUTH_FAILED, (

@@ -55,24 +55,26 @@ class Wakeup:
         os.close(self.fd)
 
 
-def disconnected_fds(monitor: zmq.Socket[bytes]) -> list[int]:
-    """Drain a monitor socket; return the file descriptors of connections that closed."""
-    return monitor_events(monitor)[0]
-
-
-def monitor_events(monitor: zmq.Socket[bytes]) -> tuple[list[int], int]:
-    """Drain a monitor socket: (file descriptors of closed connections, failed security handshakes)."""
-    closed: list[int] = []
-    failed_handshakes = 0
+def monitor_events(monitor: zmq.Socket[bytes]) -> list[tuple[int, int]]:
+    """Drain a monitor socket: its pending (event, value) pairs, in order. The value of an accept,
+    a disconnect or a failed handshake is the connection's file descriptor."""
+    events: list[tuple[int, int]] = []
     while True:
         try:
             event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
         except zmq.Again:
-            return closed, failed_handshakes
-        if event["event"] == zmq.EVENT_DISCONNECTED:
-            closed.append(int(event["value"]))
-        elif event["event"] & HANDSHAKE_FAILED_EVENTS:
-            failed_handshakes += 1
+            return events
+        events.append((int(event["event"]), int(event["value"])))
+
+
+def disconnected_fds(monitor: zmq.Socket[bytes]) -> list[int]:
+    """Drain a monitor socket; return the file descriptors of connections that closed."""
+    return [fd for event, fd in monitor_events(monitor) if event == zmq.EVENT_DISCONNECTED]
+
+
+def failed_handshakes(monitor: zmq.Socket[bytes]) -> int:
+    """Drain a monitor socket; return how many security handshakes failed."""
+    return sum(1 for event, _ in monitor_events(monitor) if event & HANDSHAKE_FAILED_EVENTS)
 
 
 def source_fd(frame: zmq.Frame) -> int | None:
