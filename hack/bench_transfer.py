@@ -9,12 +9,16 @@ process in both cases, so the two sides do not share a GIL. It also reports the 
 processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
-        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off ...]   # several: an A/B in one run
+        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1 ...]   # several: an A/B in one run
         [--rounds 4]   # raw and the variants take turns this many times per size (more: fairer under load)
 
 A variant with `checks=off` is an ablation, not a configuration: it skips the payload digest on both
 sides and the receiver's copy into its cache (every other check still runs), to show what those
 two cost against the rest of the transport in the same run. The transport itself has no such switch.
+A variant with `floor=1` is not the transport at all: pyzmq alone, sending the same multipart
+frames (same frame size, same number of data streams, zero-copy) to a ROUTER that drops them and
+answers a finish message once all arrived. No digest, no bookkeeping, no copy: the floor any
+transport built on pyzmq stands on, on this machine.
 """
 
 from __future__ import annotations
@@ -33,10 +37,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import zmq
 
 from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.transfer import tcp_receiver, wire
+from tandem.worker.transfer import allocator, tcp_receiver, wire
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
 
@@ -73,6 +78,7 @@ class Variant:
     keep_freed_buffers: bool = True  # the transport's allocator setting (allocator.py); the receiver's is what counts
     secure: bool = False  # kvTransfer.secure: CURVE on the zmq sockets (security.py)
     checks: bool = True  # False: the ablation described at the top (bench only)
+    floor: bool = False  # True: pyzmq alone with this framing, not the transport (described at the top)
 
 
 def parse_size(text: str) -> int:
@@ -234,7 +240,82 @@ class TcpClient:
         self.proc.join(timeout=10)
 
 
-Client = RawClient | TcpClient
+# --- pyzmq alone: the floor under any zmq transport ------------------------------------------
+
+def zmq_floor_server(conn: Any) -> None:
+    """Drop data frames; answer FINISH(count) with DONE once that many frames arrived."""
+    allocator.keep_freed_buffers()  # as the transport's receiver does
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.RCVHWM, 0)
+    conn.send(router.bind_to_random_port("tcp://127.0.0.1"))
+    frames, waiting, want = 0, b"", 0
+    while True:
+        parts = router.recv_multipart(copy=False)
+        kind = parts[1].bytes
+        if kind == wire.DATA:
+            frames += 1
+        elif kind == wire.FINISH:
+            waiting, want = parts[0].bytes, int(parts[2].bytes)
+        elif kind == b"cpu":
+            router.send_multipart([parts[0].bytes, struct.pack("<d", time.process_time())])
+            continue
+        elif kind == b"quit":
+            return
+        if waiting and frames >= want:
+            router.send_multipart([waiting, wire.DONE])
+            frames, waiting = frames - want, b""
+
+
+class ZmqFloorClient:
+    """The transport's framing on bare pyzmq DEALER sockets, zero-copy, nothing else."""
+
+    def __init__(self, max_size: int, variant: Variant) -> None:
+        pipe, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=zmq_floor_server, args=(child,), daemon=True)
+        self.proc.start()
+        address = f"tcp://127.0.0.1:{pipe.recv()}"
+        self.ctx = zmq.Context()
+        self.sockets = []
+        for _ in range(variant.streams + 1):  # a control socket, then the data streams
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(address)
+            self.sockets.append(sock)
+        self.control, self.data = self.sockets[0], self.sockets[1:]
+        cache = torch.randn(max_size // 2).to(torch.float16)
+        self.cache = memoryview(cache.numpy()).cast("B")
+        self.frame_bytes = max(UNIT, variant.frame_bytes // UNIT * UNIT)
+        self.header = bytes(wire.HEADER_SIZE)
+
+    def cpu_now(self) -> float:
+        self.control.send_multipart([b"cpu", b""])
+        return time.process_time() + float(struct.unpack("<d", self.control.recv())[0])
+
+    def transfer(self, size: int) -> float:
+        start, frames = time.perf_counter(), 0
+        for offset in range(0, size, self.frame_bytes):
+            frame = self.cache[offset:min(size, offset + self.frame_bytes)]
+            half = len(frame) // 2  # K and V parts, as the transport sends them
+            ids = bytes(4 * (len(frame) // UNIT))
+            self.data[frames % len(self.data)].send_multipart(
+                [wire.DATA, self.header, b"bench", ids, frame[:half], frame[half:]], copy=False)
+            frames += 1
+        self.control.send_multipart([wire.FINISH, str(frames).encode()])
+        if self.control.recv() != wire.DONE:
+            raise RuntimeError("zmq floor receiver answered something else")
+        return time.perf_counter() - start
+
+    def close(self) -> None:
+        self.control.send_multipart([b"quit", b""])
+        self.proc.join(timeout=5)
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+Client = RawClient | TcpClient | ZmqFloorClient
 
 
 def measure(clients: dict[str, Client], sizes: list[int], seconds: float,
@@ -277,10 +358,10 @@ def table(rows: list[Row]) -> str:
 
 
 def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
-    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]`, e.g. `f1m:frame=1M`; unset keys take
+    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]`, e.g. `f1m:frame=1M`; unset keys take
     --streams / --frame-bytes, and alloc=keep (the transport's allocator setting, allocator.py)."""
     label, _, options = text.partition(":")
-    keep, secure, checks = True, False, True
+    keep, secure, checks, floor = True, False, True, False
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
         if key == "streams":
@@ -293,12 +374,14 @@ def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
             secure = value == "1"
         elif key == "checks" and value in ("on", "off"):
             checks = value == "on"
+        elif key == "floor" and value in ("0", "1"):
+            floor = value == "1"
         else:
             raise ValueError(f"unknown variant option {option!r} in {text!r} (streams=N, frame=SIZE, "
-                             "alloc=keep|default, secure=0|1, checks=on|off)")
+                             "alloc=keep|default, secure=0|1, checks=on|off, floor=0|1)")
     if not label or streams <= 0 or frame_bytes <= 0:
-        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]")
-    return Variant(label, streams, frame_bytes, keep, secure, checks)
+        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]")
+    return Variant(label, streams, frame_bytes, keep, secure, checks, floor)
 
 
 def main() -> int:
@@ -308,7 +391,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--frame-bytes", default="2M")
     parser.add_argument("--variant", action="append", default=[],
-                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off]; repeat for an "
+                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]; repeat for an "
                              "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns per size: raw and each variant alternate this many times within --seconds")
@@ -328,7 +411,7 @@ def main() -> int:
     clients: dict[str, Client] = {"raw": RawClient(max(sizes))}
     try:
         for v in variants:
-            clients[v.label] = TcpClient(max(sizes), v)
+            clients[v.label] = ZmqFloorClient(max(sizes), v) if v.floor else TcpClient(max(sizes), v)
         results = measure(clients, sizes, args.seconds, args.rounds)
     finally:
         for client in clients.values():
@@ -338,6 +421,7 @@ def main() -> int:
     described = ", ".join(f"{v.label} = {v.streams} streams, {human(v.frame_bytes)} frames"
                           f"{'' if v.keep_freed_buffers else ', default allocator'}"
                           f"{'' if v.checks else ', ABLATION: no payload digest, no copy into the cache'}"
+                          f"{', FLOOR: pyzmq alone with this framing, not the transport' if v.floor else ''}"
                           for v in variants)
     print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, load {load:.1f}; one run, raw and tcp "
           f"alternating per size; GB/s from the median transfer; {described})")
