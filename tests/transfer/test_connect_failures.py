@@ -14,7 +14,7 @@ import pytest
 import zmq
 
 from tandem.worker.transfer import tcp_sender
-from tandem.worker.transfer.conformance import transport_pair
+from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, transport_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -36,6 +36,14 @@ def test_a_connection_that_fails_half_way_closes_its_sockets(monkeypatch: pytest
         with pytest.raises(zmq.ZMQError) as failed:
             pair.sender.connect(pair.receiver.address)
         monkeypatch.setattr(tcp_sender, "monitor_socket", real)
+        # The next connect works, and a transfer over it lands.
+        done = DoneWaiter()
+        pair.receiver.expect("after-failure", [4, 5], 10.0, done)
+        transfer = pair.sender.connect(pair.receiver.address).begin("after-failure", [4, 5], 10.0)
+        for layer in range(TINY_LAYOUT.num_layers):
+            transfer.send_layer(layer, [0, 1])
+        transfer.finish()
+        assert done.wait(5) is None
         closed = threading.Event()
         closer = threading.Thread(target=lambda: (pair.sender.close(), closed.set()), daemon=True)
         closer.start()
