@@ -30,6 +30,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from tandem.worker.router.dispatch import STREAM_SILENT_S
 from tandem.worker.transfer import TransferError
 from tandem.worker.transfer.conformance import TINY_LAYOUT, make_cache, spawn_receiver
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
@@ -296,12 +297,9 @@ def test_a_decode_worker_that_stops_answering_while_its_kv_ships_is_given_up_on_
     patient.settle()
 
 
-@pytest.mark.slow
-def test_a_decode_worker_frozen_mid_stream_is_left_and_taken_back(stack: Stack) -> None:
-    """Frozen mid-stream: the stream moves on after the stall timeout with the same tokens; once resumed,
-    the worker frees the request's KV (it sends nothing more to anyone) and serves new requests."""
-    expected = stream_ids(stack, 200)
-    baseline = {p.url: p.holds() for p in stack.role("decode")}
+def freeze_the_decode_worker_mid_stream(stack: Stack, max_tokens: int) -> tuple[list[int], float, Proc]:
+    """Stream `max_tokens`, SIGSTOP the decode worker serving it after 10 tokens, resume it once the
+    stream ended: (token ids the client got, seconds the stream took, the frozen worker)."""
     frozen: list[Proc] = []
 
     def freeze_the_busy_one(count: int) -> None:
@@ -312,16 +310,38 @@ def test_a_decode_worker_frozen_mid_stream_is_left_and_taken_back(stack: Stack) 
 
     started = time.monotonic()
     try:
-        disturbed = stream_ids(stack, 200, on_token=freeze_the_busy_one)
+        disturbed = stream_ids(stack, max_tokens, on_token=freeze_the_busy_one)
         took = time.monotonic() - started
     finally:
         for p in frozen:
             p.resume()
+    return disturbed, took, frozen[0]
+
+
+@pytest.mark.slow
+def test_a_decode_worker_frozen_mid_stream_is_left_and_taken_back(stack: Stack) -> None:
+    """Frozen mid-stream: the stream moves on with the same tokens; once resumed, the worker frees the
+    request's KV (it sends nothing more to anyone) and serves new requests."""
+    expected = stream_ids(stack, 200)
+    baseline = {p.url: p.holds() for p in stack.role("decode")}
+    disturbed, took, frozen = freeze_the_decode_worker_mid_stream(stack, 200)
     assert disturbed == expected
     assert took < STALL_S + 15
     stack.settle(timeout=10)
-    assert frozen[0].holds_at_most(baseline[frozen[0].url], 5), frozen[0].holds()
-    assert frozen[0].info()["stats"]["num_running"] == 0
+    assert frozen.holds_at_most(baseline[frozen.url], 5), frozen.holds()
+    assert frozen.info()["stats"]["num_running"] == 0
+
+
+@pytest.mark.slow
+def test_a_stream_from_a_frozen_decode_worker_moves_on_after_seconds_not_the_stall_timeout(patient: Stack) -> None:
+    """Workers send a heartbeat line after a second without output, so the router (stall timeout 60 s
+    here) takes 5 s of silence mid-stream for a frozen worker and moves the stream on. Before
+    heartbeats, this stream waited out the whole stall timeout."""
+    expected = stream_ids(patient, 200)
+    disturbed, took, _ = freeze_the_decode_worker_mid_stream(patient, 200)
+    assert disturbed == expected
+    assert took < STREAM_SILENT_S + 15, f"took {took:.1f}s with a decode worker frozen mid-stream"
+    patient.settle(timeout=10)
 
 
 def test_reservations_the_router_stopped_waiting_for_are_given_back(stack: Stack) -> None:

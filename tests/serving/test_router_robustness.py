@@ -32,8 +32,11 @@ FIRST_TOKEN = 65
 class FakeWorker:
     """Answers /info, /kv/reserve, /prefill, /decode, /generate like a worker of `role` would."""
 
-    def __init__(self, role: str, max_model_len: int = 2048, loaded: bool = True) -> None:
-        self.role, self.max_model_len, self.loaded = role, max_model_len, loaded
+    def __init__(self, role: str, max_model_len: int = 2048, loaded: bool = True,
+                 pause: dict[str, Any] | None = None) -> None:
+        """`pause` (shared between workers): the first /generate stream sends one token, then stays
+        quiet for pause["seconds"], with a heartbeat line every second if pause["heartbeats"]."""
+        self.role, self.max_model_len, self.loaded, self.pause = role, max_model_len, loaded, pause
         self.calls: Counter[str] = Counter()
         self.prompt_tokens: list[int] = []
         worker = self
@@ -58,12 +61,30 @@ class FakeWorker:
                     worker.prompt_tokens.append(len(body["prompt_token_ids"]))
                     self._json({"first_token_id": FIRST_TOKEN, "num_prompt_tokens": len(body["prompt_token_ids"]),
                                 "kv_sent": True})
+                elif self.path == "/generate" and worker.pause is not None and not worker.pause.get("used"):
+                    worker.pause["used"] = True
+                    self._pausing_stream(body["sampling"]["max_tokens"], worker.pause)
                 elif self.path in ("/decode", "/generate"):
                     left = body["sampling"]["max_tokens"] - (1 if self.path == "/decode" else 0)
                     lines = [{"token_ids": [FIRST_TOKEN] * left, "finished": True, "finish_reason": "length"}]
                     self._send(("".join(json.dumps(x) + "\n" for x in lines)).encode(), "application/x-ndjson")
                 else:
                     self._json({})
+
+            def _pausing_stream(self, tokens: int, pause: dict[str, Any]) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "application/x-ndjson")
+                self.end_headers()  # no length: the body ends when the connection closes (HTTP/1.0)
+                self.wfile.write(json.dumps({"token_ids": [FIRST_TOKEN]}).encode() + b"\n")
+                self.wfile.flush()
+                until = time.monotonic() + pause["seconds"]
+                while time.monotonic() < until:
+                    time.sleep(1.0)
+                    if pause["heartbeats"]:
+                        self.wfile.write(b"\n")
+                        self.wfile.flush()
+                last = {"token_ids": [FIRST_TOKEN] * (tokens - 1), "finished": True, "finish_reason": "length"}
+                self.wfile.write(json.dumps(last).encode() + b"\n")
 
             def _json(self, data: Any, status: int = 200) -> None:
                 self._send(json.dumps(data).encode(), "application/json", status)
@@ -216,3 +237,26 @@ def test_metrics_carry_the_model_learned_from_workers(start_router: Callable[...
     requests = {s.labels["reason"]: s.value for s in samples if s.name == "tandem_requests_total"}
     assert requests == {"error": 2.0, "length": 1.0, "stop": 0.0}  # the 503 before the name was known counts
     assert [s.value for s in samples if s.name == "tandem_migrations_total"] == [0.0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("heartbeats", [True, False], ids=["heartbeats", "silent"])
+def test_a_quiet_stream_is_kept_while_the_worker_sends_heartbeats(start_router: Callable[..., str],
+                                                                     heartbeats: bool) -> None:
+    """A worker stream that pauses 7 s after its first token (the router's stall timeout is 60 s):
+    with a heartbeat every second it is a live worker that is slow, and the stream is kept; without
+    any, after 5 s the router takes the worker for frozen and continues the request on the other one.
+    The client gets all its tokens either way."""
+    pause = {"seconds": 7.0, "heartbeats": heartbeats}
+    workers = [FakeWorker("both", pause=pause), FakeWorker("both", pause=pause)]
+    url = start_router([], workers)
+    started = time.monotonic()
+    resp = completion(url, "hello", max_tokens=6)
+    took = time.monotonic() - started
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["usage"]["completion_tokens"] == 6
+    streams = sum(w.calls["/generate"] for w in workers)
+    if heartbeats:
+        assert (streams, took >= 7.0) == (1, True), (streams, took)
+    else:
+        assert streams == 2 and took < 7.0, (streams, took)

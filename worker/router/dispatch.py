@@ -29,6 +29,7 @@ from tandem.worker.router.placement import PrefixAffinity, pick_decode, pick_pre
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.workers import WorkerRegistry, WorkerState
 from tandem.worker.server.protocol import (
+    STREAM_HEARTBEAT_S,
     DecodeRequest,
     GenerateRequest,
     KVTarget,
@@ -54,6 +55,10 @@ KEEPALIVE_S = 10.0  # idle connections to workers are dropped after this; worker
 CANCEL_ATTEMPTS = 3  # a reservation's cancel is sent again when its connection fails (not on a timeout)
 RESERVATION_GRACE_S = 5.0  # a decode worker frees an unclaimed reservation this long after its deadline
 WAIT_FOR_WORKER_S = 10.0
+# A worker's token stream that stays silent this long (no token and no heartbeat) is lost: the
+# process is frozen or cut off, and the stream moves to another worker. Workers older than control
+# API 2 send no heartbeats; for them only the stall timeout counts.
+STREAM_SILENT_S = 5 * STREAM_HEARTBEAT_S
 
 
 @dataclass
@@ -379,10 +384,14 @@ class Dispatcher:
 
     async def _stream(self, worker: WorkerState, path: str, body: BaseModel,
                       deadline: float) -> AsyncGenerator[TokenEvent, None]:
-        # No asyncio.timeout around a generator that yields: the deadline is checked per chunk and
-        # bounds every read, so a silent worker costs at most min(stall_timeout, time left).
+        # No asyncio.timeout around a generator that yields: each read has its own. Until the answer
+        # starts, a silent worker costs at most min(stall_timeout, time left) (a /decode answers once
+        # its KV arrived); after that, STREAM_SILENT_S without a line (workers send heartbeats), and
+        # the stall timeout without a token (a hung engine in a live process).
         worker.active += 1
         timeout = httpx.Timeout(min(self.stall_timeout, _left(deadline)), connect=3.0)
+        heartbeats = worker.info is not None and worker.info.api_version >= 2
+        silence = min(STREAM_SILENT_S, self.stall_timeout) if heartbeats else self.stall_timeout
         try:
             async with self.client.stream("POST", f"{worker.url}{path}", content=body.model_dump_json(),
                                           headers={"content-type": "application/json"}, timeout=timeout) as resp:
@@ -391,8 +400,24 @@ class Dispatcher:
                     if resp.status_code < 500:
                         raise errors.bad_request(_detail(resp))
                     raise WorkerLost(f"{worker.url}{path}: HTTP {resp.status_code}: {_detail(resp)}")
-                async for line in resp.aiter_lines():
-                    if not line.strip():
+                lines = resp.aiter_lines()
+                last_token = time.monotonic()
+                while True:
+                    try:
+                        async with asyncio.timeout(min(silence, _left(deadline))):
+                            line = await anext(lines)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        if time.monotonic() >= deadline:
+                            raise errors.timeout("the request's deadline passed before it finished") from None
+                        raise WorkerLost(f"{worker.url}{path}: silent for {silence:.3g}s mid-stream (frozen or "
+                                         "cut off)") from None
+                    if not line.strip():  # a heartbeat
+                        if time.monotonic() >= deadline:
+                            raise errors.timeout("the request's deadline passed before it finished")
+                        if time.monotonic() - last_token >= self.stall_timeout:
+                            raise WorkerLost(f"{worker.url}{path}: alive but no token for {self.stall_timeout:.3g}s")
                         continue
                     chunk = StreamChunk.model_validate(json.loads(line))
                     if chunk.error:
@@ -401,6 +426,7 @@ class Dispatcher:
                     if reason == "abort":
                         raise WorkerLost(f"{worker.url} aborted the request")
                     if chunk.token_ids or reason:
+                        last_token = time.monotonic()
                         yield TokenEvent(chunk.token_ids, chunk.logprobs, reason)
                     if reason is None and time.monotonic() >= deadline:
                         raise errors.timeout("the request's deadline passed before it finished")

@@ -3,6 +3,9 @@
 Kept in one module so the router and the worker cannot drift apart. Token streams are
 newline-delimited JSON (`StreamChunk` per line): cheaper to parse than SSE between our own
 processes, and a missing final chunk is how the router notices a worker that died mid-stream.
+A blank line is a heartbeat: a worker sends one after STREAM_HEARTBEAT_S without output, so a
+router hears from a live worker at least that often, and a frozen one (stopped, swapped out, cut
+off) shows as silence within seconds, not only after the stall timeout.
 """
 
 from __future__ import annotations
@@ -11,7 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-CONTROL_API_VERSION = 1
+CONTROL_API_VERSION = 2  # 2: streams carry heartbeats (blank lines)
+STREAM_HEARTBEAT_S = 1.0
 
 
 class Sampling(BaseModel):

@@ -23,6 +23,7 @@ from tandem.worker.server.config import WorkerConfig
 from tandem.worker.server.engine_loop import EngineFailure, EngineLoop, Subscription
 from tandem.worker.server.kv_link import KVIntake, KVShipper
 from tandem.worker.server.protocol import (
+    STREAM_HEARTBEAT_S,
     DecodeRequest,
     GenerateRequest,
     PrefillRequest,
@@ -264,8 +265,9 @@ class WorkerServer:
                     yield StreamChunk(finished=True, error="the request's deadline passed on the worker").model_dump_json().encode() + b"\n"
                     return
                 try:
-                    out = await asyncio.wait_for(sub.queue.get(), left)
+                    out = await asyncio.wait_for(sub.queue.get(), min(left, STREAM_HEARTBEAT_S))
                 except TimeoutError:
+                    yield b"\n"  # a heartbeat: this process is alive (protocol.py)
                     continue
                 if isinstance(out, EngineFailure):
                     finished = True
