@@ -140,6 +140,30 @@ def _sender_process(kind: str, address: str, transfer_id: str, dst_ids: list[int
     time.sleep(120)  # wait to be killed
 
 
+def _reconnecting_sender_process(address: str, pipe: Connection) -> None:
+    """Connect by hand (one connection), close when told, connect a real sender, then run the transfer
+    the parent names: what a sender restarting next to a live receiver does."""
+    src = make_cache(TINY_LAYOUT, 8, random=True, seed=3)
+    first = RawTcpPeer(address, TINY_LAYOUT)
+    pipe.send("first connected")
+    if pipe.recv() != "close it":
+        return
+    first.close()
+    sender = make_sender("tcp", TINY_LAYOUT, src, streams=1)
+    connection = sender.connect(address)
+    pipe.send("second connected")
+    transfer_id, block_ids = pipe.recv()
+    try:
+        transfer = connection.begin(transfer_id, block_ids, 20.0)
+        for layer in range(TINY_LAYOUT.num_layers):
+            transfer.send_layer(layer, list(range(len(block_ids))))
+        transfer.finish()
+        pipe.send("ok")
+    except Exception as exc:  # the parent asserts on what the sender saw
+        pipe.send(f"{type(exc).__name__}: {exc}")
+    sender.close()
+
+
 def _receiver_process(kind: str, num_blocks: int, pipe: Connection) -> None:
     receiver = make_receiver(kind, TINY_LAYOUT, make_cache(TINY_LAYOUT, num_blocks, random=False))
     pipe.send(receiver.address)
@@ -175,6 +199,11 @@ def spawn_sender(kind: str, address: str, transfer_id: str, dst_ids: list[int], 
 
 def spawn_receiver(kind: str, num_blocks: int) -> PeerProcess:
     return PeerProcess(_receiver_process, kind, num_blocks)
+
+
+def spawn_reconnecting_sender(address: str) -> PeerProcess:
+    """tcp only; its cache is make_cache(TINY_LAYOUT, 8, random=True, seed=3)."""
+    return PeerProcess(_reconnecting_sender_process, address)
 
 
 # --- a hand-written tcp peer, for frames no real sender would send --------------------------
