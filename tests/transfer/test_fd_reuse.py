@@ -22,7 +22,14 @@ import time
 
 import pytest
 
-from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, make_cache, spawn_reconnecting_sender
+from tandem.worker.transfer import TransferError
+from tandem.worker.transfer.conformance import (
+    TINY_LAYOUT,
+    DoneWaiter,
+    make_cache,
+    spawn_reconnecting_sender,
+    transport_pair,
+)
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 
 pytestmark = pytest.mark.timeout(90)
@@ -56,3 +63,39 @@ def test_a_sender_on_a_reused_descriptor_is_not_taken_for_the_one_that_closed() 
         peer.process.join(timeout=10)
         peer.kill()
         receiver.close()
+
+
+def test_a_sender_whose_session_the_receiver_ended_learns_it_at_once_and_connects_again() -> None:
+    """The receiver ended a sender's session while the sender's connection stayed up: what the race
+    above did. No other way to get there is known, so the test ends the session by hand, through
+    the receiver's own method, while its I/O thread is idle. The sender's next transfer fails at once
+    with peer_lost (before: the receiver's refusal went to a data socket nobody reads, and the
+    transfer waited out its deadline), and connect() then opens a fresh connection that works."""
+    with transport_pair("tcp", src_blocks=8, dst_blocks=8) as pair:
+        receiver, sender = pair.receiver, pair.sender
+        assert isinstance(receiver, TcpReceiver)
+        stale = sender.connect(receiver.address)
+        time.sleep(0.2)
+        receiver._end_session(next(iter(receiver._sessions)))
+
+        receiver.expect("after-end", [1, 2], 20.0, DoneWaiter())
+        started = time.monotonic()
+        with pytest.raises(TransferError) as failed:
+            transfer = stale.begin("after-end", [1, 2], 20.0)
+            for layer in range(TINY_LAYOUT.num_layers):
+                transfer.send_layer(layer, [0, 1])
+            transfer.finish()
+        assert failed.value.reason == "peer_lost", failed.value
+        assert time.monotonic() - started < 5
+        assert receiver.cancel("after-end")
+
+        fresh = sender.connect(receiver.address)
+        assert fresh is not stale
+        done = DoneWaiter()
+        receiver.expect("reconnected", [3, 4], 20.0, done)
+        transfer = fresh.begin("reconnected", [3, 4], 20.0)
+        for layer in range(TINY_LAYOUT.num_layers):
+            transfer.send_layer(layer, [0, 1])
+        transfer.finish()
+        assert done.wait(10) is None
+        assert pair.dst[:, :, 3:5].equal(pair.src[:, :, 0:2])

@@ -503,11 +503,11 @@ class RdmaConnection(TcpConnection):
         self.poll_replies()  # a fencing notice that already arrived counts
         return super().alive
 
-    def _peer_lost(self) -> None:
+    def _peer_lost(self, why: str = "closed the connection") -> None:
         with self.cv:
             self._peer_gone = True
             self._held.clear()
-        super()._peer_lost()
+        super()._peer_lost(why)
         self._fence()
 
     def _poll_timeout_ms(self) -> int:

@@ -331,8 +331,7 @@ class TcpReceiver:
         transfer_id = str(msg.get("transfer_id"))
         session_id = self._identity_session.get(identity)
         if session_id is None:
-            self._send(identity, self._failed_msg(transfer_id, TransferError(
-                INVALID_FRAME, "message before a successful handshake", transfer_id)))
+            self._unknown_session(identity, transfer_id)
             return
         reply_to = self._control_identity(identity)
         with self._lock:
@@ -398,6 +397,9 @@ class TcpReceiver:
                     write_blocks(self.kv_cache, header.layer, wire.K, dst_ids, k_part)
                     write_blocks(self.kv_cache, header.layer, wire.V, dst_ids, v_part)
                     reservation.mark(header.layer, header.kind, positions, len(k_part) + len(v_part))
+        if session_id is None:
+            self._unknown_session(identity, transfer_id)
+            return
         if unknown:
             self._reply_unknown(self._control_identity(identity), transfer_id, finishing=False)
             return
@@ -412,8 +414,22 @@ class TcpReceiver:
             self._complete(reservation)
 
     def _control_identity(self, identity: bytes) -> bytes:
+        """Where replies to a message from `identity` go: its session's control socket. A sender names
+        its sockets SESSION/control and SESSION/N (tcp_sender.py), which finds that socket even for
+        a session this receiver does not know."""
         session = self._sessions.get(self._identity_session.get(identity, ""))
-        return session.control if session else identity
+        if session is not None:
+            return session.control
+        prefix, slash, _ = identity.rpartition(b"/")
+        return prefix + b"/control" if slash else identity
+
+    def _unknown_session(self, identity: bytes, transfer_id: str) -> None:
+        """A message from a sender this receiver has no session for (never said HELLO, or its session
+        was ended while its connection stayed up): tell it to connect again, on the socket it reads."""
+        error = TransferError(PEER_LOST, "the receiver has no session for this sender (no handshake, or its "
+                              "connection was taken for closed): connect again", transfer_id)
+        self._send(self._control_identity(identity), wire.encode_control(wire.FAILED, {
+            "transfer_id": transfer_id, **error.to_wire(), "reconnect": True}))
 
     # --- outcomes --------------------------------------------------------------------------
 

@@ -569,6 +569,9 @@ class TcpConnection:
             log.warning("KV sender: dropped a malformed reply from %s", self.address)
             return
         msg = wire.decode_control(parts[1])
+        if kind == wire.FAILED and msg.get("reconnect") is True:  # the receiver has no session for us
+            self._peer_lost("has no session for this sender (it took the connection for closed)")
+            return
         with self.cv:
             transfer = self._transfers.get(str(msg.get("transfer_id")))
             if transfer is None:
@@ -580,9 +583,10 @@ class TcpConnection:
                 self._fail_locked(transfer, TransferError.from_wire(msg, transfer.transfer_id), False)
             self.cv.notify_all()
 
-    def _peer_lost(self) -> None:
+    def _peer_lost(self, why: str = "closed the connection") -> None:
+        """The connection is unusable: fail its transfers; the next connect() opens a fresh one."""
         with self.cv:
-            self._broken = TransferError(PEER_LOST, f"the KV receiver at {self.address} closed the connection")
+            self._broken = TransferError(PEER_LOST, f"the KV receiver at {self.address} {why}")
             for transfer in list(self._transfers.values()):
                 self._fail_locked(transfer, TransferError(PEER_LOST, self._broken.message, transfer.transfer_id),
                                   False)
