@@ -124,6 +124,7 @@ class Reservation:
 
 
 EARLY_CANCEL_MEMORY_S = 120.0  # how long a cancel that found no reservation is remembered
+EARLY_CANCEL_LIMIT = 100_000  # and how many at most (oldest forgotten first): ~10 MB, bounded under any flood
 
 
 class KVIntake:
@@ -172,8 +173,8 @@ class KVIntake:
         """Give a reservation's blocks back. One that is not made yet is refused when it comes."""
         res = self.claim(request_id)
         if res is None:
-            self._forget_old_cancels()
             self._early_cancels.pop(request_id, None)  # re-inserted: the dict stays ordered by expiry
+            self._forget_old_cancels(room=1)
             self._early_cancels[request_id] = time.monotonic() + EARLY_CANCEL_MEMORY_S
             return False
         self.drop(res)
@@ -184,11 +185,12 @@ class KVIntake:
         self._forget_old_cancels()
         return request_id in self._early_cancels
 
-    def _forget_old_cancels(self) -> None:
+    def _forget_old_cancels(self, room: int = 0) -> None:
+        """Forget cancels past their time, and the oldest beyond EARLY_CANCEL_LIMIT - room."""
         now = time.monotonic()
         while self._early_cancels:
             oldest, forget_at = next(iter(self._early_cancels.items()))
-            if forget_at > now:
+            if forget_at > now and len(self._early_cancels) <= EARLY_CANCEL_LIMIT - room:
                 break
             del self._early_cancels[oldest]
 
