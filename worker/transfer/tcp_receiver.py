@@ -371,14 +371,16 @@ class TcpReceiver:
         raw_id = parts[3].bytes
         transfer_id = raw_id.decode(errors="replace")
         session_id = self._identity_session.get(identity)
+        if session_id is None:
+            self._unknown_session(identity, transfer_id)
+            return
         with self._lock:
             reservation = self._reservations.get(transfer_id)
-            unknown = reservation is None or session_id is None
             if reservation is not None and reservation.session not in (None, session_id):
                 self._send(self._control_identity(identity), self._failed_msg(transfer_id, TransferError(
                     INVALID_FRAME, "another sender already began this transfer", transfer_id)))
                 return
-            if reservation is not None and session_id is not None:
+            if reservation is not None:
                 reservation.claim(session_id)  # frames may overtake BEGIN (it travels on stream 0)
                 try:
                     header = wire.unpack_header(parts[2].buffer)
@@ -397,13 +399,9 @@ class TcpReceiver:
                     write_blocks(self.kv_cache, header.layer, wire.K, dst_ids, k_part)
                     write_blocks(self.kv_cache, header.layer, wire.V, dst_ids, v_part)
                     reservation.mark(header.layer, header.kind, positions, len(k_part) + len(v_part))
-        if session_id is None:
-            self._unknown_session(identity, transfer_id)
-            return
-        if unknown:
+        if reservation is None:
             self._reply_unknown(self._control_identity(identity), transfer_id, finishing=False)
             return
-        assert reservation is not None
         if error is not None:
             log.warning("KV receiver rejected a frame, nothing written: %s", error)
             self._fail(reservation, error, None)
