@@ -274,6 +274,22 @@ def test_receiver_deadline_expires_and_releases(transport: str) -> None:
         assert failures(pair.recv_telemetry, transport, "timeout") == 1
 
 
+def test_short_deadline_expires_on_time_beside_a_long_one(transport: str) -> None:
+    # The receiver's I/O thread sleeps until its earliest deadline (at most 1 s); a reservation
+    # that ends sooner than that must wake it, or it would expire up to a second late.
+    with transport_pair(transport) as pair:
+        pair.receiver.expect("req-long", [1], 30.0, DoneWaiter())
+        for attempt in range(3):
+            time.sleep(0.2)  # the I/O thread is asleep again, planning to look in up to a second
+            done = DoneWaiter()
+            started = time.monotonic()
+            pair.receiver.expect(f"req-short-{attempt}", [2], 0.05, done)
+            error = done.wait(5)
+            assert error is not None and error.reason == "timeout"
+            assert time.monotonic() - started < 0.5, f"expired {time.monotonic() - started:.2f}s after expect()"
+        assert pair.receiver.pending() == ["req-long"]
+
+
 def test_sender_deadline_expires_and_receiver_is_told(transport: str) -> None:
     dst_ids = [7, 8]
     with transport_pair(transport) as pair:

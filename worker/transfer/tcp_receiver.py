@@ -113,6 +113,7 @@ class TcpReceiver:
         self._closes: list[tuple[int, int]] = []  # (fd, epoch) of closes read but not yet applied
         self._closing = False
         self._wakeup = Wakeup()
+        self._io_wakes_at = 0.0  # the latest the I/O thread looks at deadlines next (monotonic)
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{port}", daemon=True)
         self._thread.start()
 
@@ -138,7 +139,11 @@ class TcpReceiver:
             self._outcomes.pop(transfer_id, None)
             self._reservations[transfer_id] = Reservation(transfer_id, ids, self.layout.num_layers,
                                                           deadline, on_done)
-        self._wakeup.set()  # the I/O thread recomputes its next deadline
+            # Wake the I/O thread only if it would sleep past this deadline: a wakeup per request
+            # costs a thread switch on both sides, right when the transfer's first frames arrive.
+            wake = deadline < self._io_wakes_at
+        if wake:
+            self._wakeup.set()
 
     def cancel(self, transfer_id: str, reason: str | None = None) -> bool:
         """Drop a reservation without calling on_done; once this returns nothing more is written.
@@ -211,11 +216,12 @@ class TcpReceiver:
         self._fail_all(TransferError(CLOSED, "the receiver was closed"))
 
     def _poll_timeout_ms(self) -> int:
+        now = time.monotonic()
         with self._lock:
-            deadlines = [r.deadline for r in self._reservations.values()]
-        if not deadlines:
-            return 1000
-        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+            earliest = min((r.deadline for r in self._reservations.values()), default=now + 1.0)
+            timeout_ms = max(0, min(1000, int((earliest - now) * 1000) + 1))
+            self._io_wakes_at = now + timeout_ms / 1000
+        return timeout_ms
 
     def _refused_peers(self, count: int) -> None:
         """Connections that failed the security handshake: say so; zmq has already dropped them."""
