@@ -139,8 +139,8 @@ class TcpReceiver:
             self._outcomes.pop(transfer_id, None)
             self._reservations[transfer_id] = Reservation(transfer_id, ids, self.layout.num_layers,
                                                           deadline, on_done)
-            # Wake the I/O thread only if it would sleep past this deadline: a wakeup per request
-            # costs a thread switch on both sides, right when the transfer's first frames arrive.
+            # Wake the I/O thread only if it would sleep past this deadline: waking it for every
+            # request costs a trip through the scheduler, often just as that request's frames arrive.
             wake = deadline < self._io_wakes_at
         if wake:
             self._wakeup.set()
