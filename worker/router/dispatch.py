@@ -414,9 +414,10 @@ class Dispatcher:
                         raise WorkerLost(f"{worker.url}{path}: silent for {silence:.3g}s mid-stream (frozen or "
                                          "cut off)") from None
                     if not line.strip():  # a heartbeat
-                        if time.monotonic() >= deadline:
+                        now = time.monotonic()
+                        if now >= deadline:
                             raise errors.timeout("the request's deadline passed before it finished")
-                        if time.monotonic() - last_token >= self.stall_timeout:
+                        if now - last_token >= self.stall_timeout:
                             raise WorkerLost(f"{worker.url}{path}: alive but no token for {self.stall_timeout:.3g}s")
                         continue
                     chunk = StreamChunk.model_validate(json.loads(line))

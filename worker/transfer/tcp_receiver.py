@@ -239,7 +239,7 @@ class TcpReceiver:
                 self._accepted[fd] = self._accepted.get(fd, 0) + 1
             elif event == zmq.EVENT_DISCONNECTED:
                 self._closes.append((fd, self._accepted.get(fd, 0)))
-            else:  # a failed security handshake (the only other events asked for)
+            elif event & HANDSHAKE_FAILED_EVENTS:
                 refused += 1
         if refused:
             self._refused_peers(refused)
