@@ -165,3 +165,12 @@ def test_swapping_k_and_v_parts_changes_the_digest() -> None:
     k, v = random_payload(33, seed=1), random_payload(33, seed=2)
     assert (wire.frame_digest(0, 0, wire.KV, 33, 2 * len(k), b"t", b"", k, v)
             != wire.frame_digest(0, 0, wire.KV, 33, 2 * len(k), b"t", b"", v, k))
+
+
+def test_io_thread_sleeps_until_just_past_the_earliest_deadline_and_at_most_a_second() -> None:
+    from tandem.worker.transfer.zmqutil import poll_timeout_ms
+
+    assert poll_timeout_ms([], now=0.0) == 1000  # nothing due: look around once a second
+    assert poll_timeout_ms([0.25, 0.0625], now=0.0) == 63  # the earliest (62.5 ms), rounded up
+    assert poll_timeout_ms([30.0], now=0.0) == 1000  # far off: still once a second
+    assert poll_timeout_ms([-1.0], now=0.0) == 0  # already passed: do not sleep

@@ -51,6 +51,7 @@ from .zmqutil import (
     encode_transfer_id,
     monitor_events,
     monitor_socket,
+    poll_timeout_ms,
     source_fd,
 )
 
@@ -218,8 +219,7 @@ class TcpReceiver:
     def _poll_timeout_ms(self) -> int:
         now = time.monotonic()
         with self._lock:
-            earliest = min((r.deadline for r in self._reservations.values()), default=now + 1.0)
-            timeout_ms = max(0, min(1000, int((earliest - now) * 1000) + 1))
+            timeout_ms = poll_timeout_ms((r.deadline for r in self._reservations.values()), now)
             self._io_wakes_at = now + timeout_ms / 1000
         return timeout_ms
 

@@ -63,6 +63,7 @@ from .zmqutil import (
     encode_transfer_id,
     failed_handshakes,
     monitor_socket,
+    poll_timeout_ms,
 )
 
 log = logging.getLogger(__name__)
@@ -519,10 +520,7 @@ class TcpConnection:
             self._expire()
 
     def _poll_timeout_ms(self) -> int:
-        deadlines = [t.deadline for t in self._transfers.values()]  # (under self.cv)
-        if not deadlines:
-            return 1000
-        return max(0, min(1000, int((min(deadlines) - time.monotonic()) * 1000) + 1))
+        return poll_timeout_ms((t.deadline for t in self._transfers.values()), time.monotonic())  # (under self.cv)
 
     def _flush(self) -> bool:
         """Send queued ABORTs on the first data socket; True if some had to wait (no connected peer)."""

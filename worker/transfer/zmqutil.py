@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Iterable
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
@@ -16,6 +17,17 @@ HANDSHAKE_FAILED_EVENTS = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE
 
 # Transfer ids are request ids; bounded so a header never balloons.
 MAX_TRANSFER_ID_BYTES = 256
+
+IDLE_LOOK_MS = 1000  # an I/O thread with no deadline due sooner still looks around this often
+
+
+def poll_timeout_ms(deadlines: Iterable[float], now: float) -> int:
+    """How long an I/O thread may sleep in poll(): until just past the earliest of `deadlines`
+    (time.monotonic() values), at most IDLE_LOOK_MS."""
+    earliest = min(deadlines, default=None)
+    if earliest is None:
+        return IDLE_LOOK_MS
+    return max(0, min(IDLE_LOOK_MS, int((earliest - now) * 1000) + 1))
 
 
 def monitor_socket(sock: zmq.Socket[bytes], events: int) -> zmq.Socket[bytes]:
