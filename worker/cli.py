@@ -59,18 +59,18 @@ def _not_yet(name: str, help_text: str, where: str) -> click.Command:
 def _missing_dependency(name: str, help_text: str, exc: ModuleNotFoundError) -> click.Command:
     extra = "operator" if name == "operator" else "worker"
 
-    @click.command(name, help=f"{help_text} [needs: pip install 'tandem[{extra}]']",
+    @click.command(name, help=f"{help_text} [needs: pip install 'tandem-serving[{extra}]']",
                    context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
     def stub() -> None:
         click.echo(f"tandem {name}: missing Python package {exc.name!r}; "
-                   f"install it with: pip install 'tandem[{extra}]'", err=True)
+                   f"install it with: pip install 'tandem-serving[{extra}]'", err=True)
         sys.exit(2)
 
     return stub
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="tandem")
+@click.version_option(package_name="tandem-serving")
 def main() -> None:
     """Tandem: prefill/decode disaggregated LLM serving."""
 

@@ -59,7 +59,7 @@ def test_sysfs_ports_are_read(tmp_path: Path) -> None:
 def test_active_port_without_pyverbs_names_the_fix(tmp_path: Path) -> None:
     found = probe(fake_sysfs(tmp_path / "ib"))
     assert not found.usable and found.reason == PYVERBS_MISSING
-    assert "pip install 'tandem[rdma]'" in found.reason and "docs/transfer.md" in found.reason
+    assert "pip install 'tandem-serving[rdma]'" in found.reason and "docs/transfer.md" in found.reason
     with pytest.raises(TransferError) as unavailable:
         load_pyverbs()
     assert unavailable.value.reason == "unavailable" and PYVERBS_MISSING in str(unavailable.value)
@@ -84,7 +84,7 @@ def test_auto_picks_rdma_when_usable() -> None:
 def test_explicit_rdma_that_cannot_run_raises_with_the_reason() -> None:
     with pytest.raises(TransferError) as unavailable:
         choose_transport("rdma", probe_rdma=lambda: RdmaProbe(False, PYVERBS_MISSING))
-    assert unavailable.value.reason == "unavailable" and "pip install 'tandem[rdma]'" in str(unavailable.value)
+    assert unavailable.value.reason == "unavailable" and "pip install 'tandem-serving[rdma]'" in str(unavailable.value)
 
 
 def test_unknown_transport_is_a_clear_error() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import operator as stdlib_operator
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -26,6 +28,26 @@ def test_every_package_folder_is_listed_in_pyproject() -> None:
 def test_operator_name_is_the_stdlib() -> None:
     assert hasattr(stdlib_operator, "itemgetter")
     assert importlib.import_module("tandem.operator").__name__ == "tandem.operator"
+
+
+def test_operator_folder_cannot_shadow_the_stdlib_from_the_repo_root() -> None:
+    """Run from the root, '' is first on sys.path: a regular package operator/ would win over the stdlib
+    (guidellm's spawned children died of it). A folder without __init__.py loses to the stdlib module."""
+    assert not (REPO / "operator" / "__init__.py").exists()
+    no_site = subprocess.run([sys.executable, "-S", "-c", "import collections, operator; print(operator.__file__)"],
+                             cwd=REPO, capture_output=True, text=True)
+    assert no_site.returncode == 0, no_site.stderr
+    assert not no_site.stdout.startswith(str(REPO))
+    # A tool that uses multiprocessing (spawned children re-import the stdlib with the parent's sys.path).
+    code = ("import multiprocessing as mp\n"
+            "if __name__ == '__main__':\n"
+            "    with mp.get_context('spawn').Pool(2) as pool: print(pool.map(abs, [-1, -2]))\n")
+    (REPO / ".pytest_cache").mkdir(exist_ok=True)
+    script = REPO / ".pytest_cache" / "mp_tool.py"
+    script.write_text(code)
+    tool = subprocess.run([sys.executable, "-c", f"import runpy; runpy.run_path({str(script)!r}, run_name='__main__')"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 0 and tool.stdout.strip() == "[1, 2]", tool.stderr
 
 
 def test_cli_lists_subcommands() -> None:

@@ -32,11 +32,13 @@ from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesD
               help="A worker silent for this long mid-stream counts as lost (the request migrates).")
 @click.option("--max-request-bytes", type=click.IntRange(min=1024), default=32 << 20, show_default=True,
               help="Largest request body accepted; a bigger one gets 413 before it is read or tokenized.")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja file that replaces the model's chat template.")
 @click.option("--log-level", default="info", show_default=True)
 def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
             prefill: tuple[str, ...], decode: tuple[str, ...], discovery: str, namespace: str,
             prefill_service: str | None, decode_service: str | None, worker_port: int, request_timeout: float,
-            stall_timeout: float, max_request_bytes: int, log_level: str) -> None:
+            stall_timeout: float, max_request_bytes: int, chat_template: Path | None, log_level: str) -> None:
     """Serve /v1/* by placing requests on prefill and decode workers."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s router:{port} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -47,7 +49,7 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
             raise click.UsageError("--discovery k8s|dns needs --prefill-service and/or --decode-service")
         method = "dns" if discovery == "dns" else "endpointslices"
         if method == "endpointslices" and importlib.util.find_spec("kubernetes") is None:
-            raise click.UsageError("--discovery k8s needs the kubernetes package (pip install 'tandem[operator]'), "
+            raise click.UsageError("--discovery k8s needs the kubernetes package (pip install 'tandem-serving[operator]'), "
                                    "or use --discovery dns")
         source = KubernetesDiscovery(namespace, services, worker_port, method)
     elif workers_file is not None:
@@ -67,6 +69,7 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
 
     cfg = RouterConfig(model_name=model_name, discovery=source, model_dir=model_dir,
                        request_timeout=request_timeout, stall_timeout=stall_timeout,
-                       max_request_bytes=max_request_bytes)
+                       max_request_bytes=max_request_bytes,
+                       chat_template=chat_template.read_text() if chat_template is not None else None)
     uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=5)

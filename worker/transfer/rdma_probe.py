@@ -26,7 +26,7 @@ from .errors import UNAVAILABLE, TransferError
 SYSFS_ROOT = Path("/sys/class/infiniband")
 DEVICE_ENV = "TANDEM_RDMA_DEVICE"
 GID_INDEX_ENV = "TANDEM_RDMA_GID_INDEX"
-PYVERBS_MISSING = "RDMA unavailable: pyverbs not installed (pip install 'tandem[rdma]', see docs/transfer.md)"
+PYVERBS_MISSING = "RDMA unavailable: pyverbs not installed (pip install 'tandem-serving[rdma]', see docs/transfer.md)"
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,0 @@
-"""Tandem operator: reconciles DisaggregatedModel resources."""
