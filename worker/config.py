@@ -24,6 +24,9 @@ class EngineConfig:
     # the weights; CPU: of physical RAM). A sane default is picked when both are None.
     kv_cache_bytes: int | None = None
     kv_cache_fraction: float | None = None
+    # vLLM's --gpu-memory-utilization: this fraction of the memory free before loading (device
+    # memory on CUDA, available RAM on CPU) holds the weights plus the KV cache.
+    memory_utilization: float | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_chunked_prefill: bool = True
@@ -42,12 +45,17 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"EngineConfig.block_size must be a positive power of two, got {self.block_size}")
-        if self.kv_cache_bytes is not None and self.kv_cache_fraction is not None:
-            raise ValueError("set at most one of EngineConfig.kv_cache_bytes and kv_cache_fraction")
+        budgets = [n for n in ("kv_cache_bytes", "kv_cache_fraction", "memory_utilization")
+                   if getattr(self, n) is not None]
+        if len(budgets) > 1:
+            raise ValueError(f"set at most one of EngineConfig.kv_cache_bytes, kv_cache_fraction and "
+                             f"memory_utilization, got {' and '.join(budgets)}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
             raise ValueError(f"EngineConfig.kv_cache_bytes must be positive, got {self.kv_cache_bytes}")
         if self.kv_cache_fraction is not None and not 0.0 < self.kv_cache_fraction <= 1.0:
             raise ValueError(f"EngineConfig.kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+        if self.memory_utilization is not None and not 0.0 < self.memory_utilization <= 1.0:
+            raise ValueError(f"EngineConfig.memory_utilization must be in (0, 1], got {self.memory_utilization}")
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")

@@ -200,3 +200,19 @@ def test_kv_budget_from_a_fraction_of_memory(tiny_model_dir: Path) -> None:
     budget = engine.stats().num_total_blocks * engine.kv_layout.bytes_per_block
     assert 0.8e-4 * available_ram_bytes() <= budget + engine.kv_layout.bytes_per_block <= 1.2e-4 * available_ram_bytes()
     assert engine.kv_cache.numel() * engine.kv_cache.element_size() == budget
+
+
+def test_memory_utilization_holds_weights_plus_kv(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--gpu-memory-utilization: the share of memory free at start covers the weights and the KV cache."""
+    from tandem.worker.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "free_memory_bytes", lambda device: 64 << 20)  # 64 MiB "free"
+    engine = LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), memory_utilization=0.25))
+    weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    kv = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    assert 0 < kv <= (16 << 20) - weights < kv + engine.kv_layout.bytes_per_block
+
+    with pytest.raises(ValueError, match="weights alone"):
+        LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), memory_utilization=weights / (64 << 20) / 2))
+    with pytest.raises(ValueError, match="at most one of"):
+        EngineConfig(model_dir=str(tiny_model_dir), memory_utilization=0.5, kv_cache_bytes=1 << 20)

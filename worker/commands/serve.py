@@ -14,10 +14,19 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
+from tandem.worker.hardware import DTYPE_CHOICES, Choice, choose
 from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
+
+# Share of a GPU's free memory that the workers of one `tandem serve` take for weights plus KV
+# cache when the user sets no budget: what vLLM takes for one instance, split between the workers.
+DEFAULT_GPU_SHARE = 0.9
 
 
 def cache_dir() -> Path:
+    """Tiny models and logs; TANDEM_CACHE_DIR moves it (the local cluster's builds share this root)."""
+    if os.environ.get("TANDEM_CACHE_DIR"):
+        return Path(os.environ["TANDEM_CACHE_DIR"])
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tandem"
 
@@ -42,9 +51,10 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
     return folder.resolve(), folder.resolve().name
 
 
-@click.command("serve")
+@click.command("serve", epilog=EPILOG + " --chat-template FILE replaces the model's chat template.")
 @click.option("--model", required=True, help="Model folder, or `tiny` for a small random model (written on first use).")
-@click.option("--model-name", default=None, help="Name clients use (default: the folder name, or `tiny`).")
+@click.option("--model-name", "--served-model-name", "model_name", default=None,
+              help="Name clients use (default: the folder name, or `tiny`).")
 @click.option("--family", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama",
               show_default=True, help="Architecture of the --model tiny model.")
 @click.option("--prefill-workers", type=click.IntRange(0, 64), default=1, show_default=True)
@@ -57,13 +67,23 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
                    "About 2.5-3x slower KV transfer on tcp: see docs/transfer.md.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Router address (workers stay on 127.0.0.1).")
 @click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True,
-              help="cpu or cuda[:N] for every worker (set --kv-cache-bytes when several share one GPU).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
+              help="auto: float32 on CPU; on CUDA the model's config.json dtype (bfloat16 if it says float32).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA when torch sees a GPU, else cpu), cpu or cuda[:N], for every worker.")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(1, 1), default=1, show_default=True,
+              help="Only 1 for now (tensor parallelism is not built yet).")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV cache per worker (default: the engine's).")
+@click.option("--gpu-memory-utilization", "memory_utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help=f"Share of the memory free at start that the workers together take for weights plus KV cache "
+                   f"(default on CUDA: {DEFAULT_GPU_SHARE}; on CPU each worker sizes its KV cache for --max-num-seqs).")
+@click.option("--max-num-seqs", type=click.IntRange(min=1), default=None, help="Sequences per engine step (default: 64).")
 @click.option("--max-num-batched-tokens", type=int, default=None, help="Token budget per step (chunk size).")
+@click.option("--seed", type=int, default=None, help="Default sampling seed of every worker (default: 0).")
+@click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A Jinja file that replaces the model's chat template.")
 @click.option("--log-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Process logs (default: a folder in the cache).")
 @click.option("--state-file", type=click.Path(dir_okay=False, path_type=Path), default=None,
@@ -74,14 +94,24 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
 @click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="The router counts a worker silent this long mid-request as lost (the request migrates).")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
+@refuse_unsupported_vllm_flags
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
-            transport: str, secure_kv: bool, host: str, port: int, dtype: str, device: str, block_size: int, max_model_len: int | None,
-            kv_cache_bytes: int | None, max_num_batched_tokens: int | None, log_dir: Path | None,
+            transport: str, secure_kv: bool, host: str, port: int, dtype: str, device: str, tensor_parallel_size: int,
+            block_size: int, max_model_len: int | None, kv_cache_bytes: int | None, memory_utilization: float | None,
+            max_num_seqs: int | None, max_num_batched_tokens: int | None, seed: int | None, chat_template: Path | None,
+            log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
             prefill_fault: str | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
+    try:
+        choice = choose(device, dtype, model_dir)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    console.print(f"workers run on {choice.describe()}")
+    workers = decode_workers + (prefill_workers if mode == "disaggregated" else 0)
+    memory_utilization = _memory_share(choice, workers, memory_utilization, kv_cache_bytes)
     if mode != "disaggregated" and prefill_workers:
         console.print(f"--mode {mode}: no prefill pool; running {decode_workers} both-role worker(s)")
     log_dir = log_dir or cache_dir() / "logs" / f"serve-{port}"
@@ -89,9 +119,10 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
     try:
         spec = StackSpec(model_dir=model_dir, model_name=model_name or default_name, mode=mode,
                          prefill_workers=prefill_workers if mode == "disaggregated" else 0,
-                         decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=dtype, device=device,
-                         block_size=block_size, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                         max_num_batched_tokens=max_num_batched_tokens, log_dir=log_dir, prefill_fault=prefill_fault,
+                         decode_workers=decode_workers, transport=transport, host=host, port=port, dtype=choice.dtype,
+                         device=choice.device, block_size=block_size, max_model_len=max_model_len,
+                         kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
+                         max_num_batched_tokens=max_num_batched_tokens, seed=seed, chat_template=chat_template, log_dir=log_dir, prefill_fault=prefill_fault,
                          request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
@@ -117,6 +148,18 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
         stack.stop()
         console.print("stopped.")
     sys.exit(code)
+
+
+def _memory_share(choice: Choice, workers: int, given: float | None, kv_cache_bytes: int | None) -> float | None:
+    """Each worker's --gpu-memory-utilization: the stack's share split evenly, since every worker
+    measures the same free memory when they load side by side on one device."""
+    if kv_cache_bytes is not None:
+        if given is not None:
+            raise click.UsageError("give either --kv-cache-bytes or --gpu-memory-utilization, not both")
+        return None
+    if given is None and not choice.device.startswith("cuda"):
+        return None  # CPU: each worker sizes its KV cache for max_num_seqs full-length requests
+    return (given if given is not None else DEFAULT_GPU_SHARE) / workers
 
 
 class _StopFlag:

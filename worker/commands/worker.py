@@ -8,16 +8,23 @@ from pathlib import Path
 
 import click
 
+from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
+from tandem.worker.hardware import DTYPE_CHOICES, choose
 from tandem.worker.server.config import WorkerConfig
 
+log = logging.getLogger("tandem.worker")
 
-@click.command("worker")
+
+@click.command("worker", epilog=EPILOG)
 @click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both", show_default=True)
 @click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
               help="Hugging Face style model folder.")
-@click.option("--model-name", default=None, help="Name served to clients (default: the folder name).")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N].")
+@click.option("--model-name", "--served-model-name", "model_name", default=None,
+              help="Name served to clients (default: the folder name).")
+@click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
+              help="auto: float32 on CPU; on CUDA the model's config.json dtype (bfloat16 if it says float32).")
+@click.option("--device", default="auto", show_default=True,
+              help="auto (CUDA when torch sees a GPU, else cpu), cpu or cuda[:N].")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--transport", type=click.Choice(["auto", "tcp", "rdma"]), default="auto", show_default=True)
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -27,12 +34,16 @@ from tandem.worker.server.config import WorkerConfig
 @click.option("--kv-keys", type=click.Path(file_okay=False, path_type=Path), envvar="TANDEM_KV_KEYS", default=None,
               help="Folder with the model's KV transfer keys (`tandem kv-keys`): encrypt and authenticate KV "
                    "transfers. Every worker of the model needs the same keys. [env: TANDEM_KV_KEYS]")
-@click.option("--tensor-parallel", type=int, default=1, show_default=True)
+@click.option("--tensor-parallel", "--tensor-parallel-size", "-tp", "tensor_parallel", type=int, default=1,
+              show_default=True, help="Only 1 for now (tensor parallelism is not built yet).")
 @click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
 @click.option("--pool", default="local", show_default=True, help="Pool label on metrics (prefill|decode|local).")
 @click.option("--layout-hash", envvar="TANDEM_LAYOUT_HASH", default=None,
               help="Expected KV layout hash; the worker refuses to start on a mismatch. [env: TANDEM_LAYOUT_HASH]")
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV cache budget (default: the engine's).")
+@click.option("--gpu-memory-utilization", "memory_utilization", type=click.FloatRange(0, 1, min_open=True), default=None,
+              help="Share of the memory free at start (GPU memory, or RAM on CPU) for weights plus KV cache.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Default sampling seed.")
 @click.option("--max-num-seqs", type=int, default=64, show_default=True)
 @click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True)
 @click.option("--chunked-prefill/--no-chunked-prefill", default=True, show_default=True)
@@ -42,20 +53,25 @@ from tandem.worker.server.config import WorkerConfig
 @click.option("--fault", type=click.Choice(["drop-kv"]), default=None, hidden=True,
               help="Test hook: misbehave on purpose.")
 @click.option("--log-level", default="info", show_default=True)
+@refuse_unsupported_vllm_flags
 def command(role: str, model_dir: Path, model_name: str | None, dtype: str, device: str, block_size: int,
             transport: str, host: str, port: int, kv_port: int, kv_host: str | None, kv_keys: Path | None,
             tensor_parallel: int,
             max_model_len: int | None, pool: str, layout_hash: str | None, kv_cache_bytes: int | None,
-            max_num_seqs: int, max_num_batched_tokens: int, chunked_prefill: bool, prefix_caching: bool,
+            memory_utilization: float | None, seed: int, max_num_seqs: int, max_num_batched_tokens: int,
+            chunked_prefill: bool, prefix_caching: bool,
             drain_timeout: float, fault: str | None, log_level: str) -> None:
     """Run one worker: HTTP control API on --port, KV transfer on --kv-port."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role}:{port} %(levelname)s %(name)s: %(message)s")
     try:
+        choice = choose(device, dtype, model_dir)
+        log.info("running on %s", choice.describe())
         cfg = WorkerConfig(
-            model_dir=model_dir, model_name=model_name, role=role, pool=pool, dtype=dtype, device=device,
+            model_dir=model_dir, model_name=model_name, role=role, pool=pool, dtype=choice.dtype, device=choice.device,
             block_size=block_size, transport=transport, host=host, port=port, kv_port=kv_port, kv_host=kv_host,
             tensor_parallel=tensor_parallel, max_model_len=max_model_len, layout_hash=layout_hash or None,
-            kv_cache_bytes=kv_cache_bytes, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, seed=seed, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked_prefill, enable_prefix_caching=prefix_caching,
             drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys)
     except ValueError as exc:

@@ -21,10 +21,25 @@ def available_ram_bytes() -> int:
     return 4 << 30
 
 
-def kv_budget_bytes(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int) -> int:
-    """The configured budget; by default enough for max_num_seqs full-length requests, capped by memory."""
+def free_memory_bytes(device: torch.device) -> int:
+    """What this worker may still allocate: free device memory on CUDA, available RAM on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return available_ram_bytes()
+
+
+def kv_budget_bytes(cfg: EngineConfig, device: torch.device, bytes_per_token: int, max_model_len: int,
+                    free_before_load: int = 0, weight_bytes: int = 0) -> int:
+    """The configured budget; by default enough for max_num_seqs full-length requests, capped by memory.
+    `free_before_load` and `weight_bytes` serve `memory_utilization` (weights plus KV in that share)."""
     if cfg.kv_cache_bytes is not None:
         return cfg.kv_cache_bytes
+    if cfg.memory_utilization is not None:
+        share = int(free_before_load * cfg.memory_utilization)
+        if share <= weight_bytes:
+            raise ValueError(f"--gpu-memory-utilization {cfg.memory_utilization} gives {share >> 20} MiB, "
+                             f"but the weights alone take {weight_bytes >> 20} MiB: raise it")
+        return share - weight_bytes
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * (cfg.kv_cache_fraction or DEFAULT_CUDA_FRACTION))

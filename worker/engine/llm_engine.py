@@ -21,7 +21,7 @@ from ..model.config import ModelConfig
 from ..model.loader import TORCH_DTYPES, load_model
 from ..model.tokenizer import Tokenizer
 from .detokenizer import OutputText
-from .kv_budget import kv_budget_bytes
+from .kv_budget import free_memory_bytes, kv_budget_bytes
 from .outputs import EngineStats, LayerWrite, RequestOutput
 from .runner import ModelRunner
 from .sampler import sample, skip_draws
@@ -49,13 +49,16 @@ class LLMEngine:
         self.model_name = model_config.name
         self.tokenizer = Tokenizer(cfg.model_dir, extra_eos_ids=model_config.eos_token_ids)
         report("config", 1.0)
+        free_before_load = free_memory_bytes(self.device) if cfg.memory_utilization is not None else 0
         self.model = load_model(cfg.model_dir, cfg.dtype, cfg.device, progress=report)
+        # By storage, so tied embeddings count once.
+        weight_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}.values())
         self.kv_layout = KVLayout(model=self.model_name, dtype=cfg.dtype, block_size=cfg.block_size,
                                   num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                   head_dim=model_config.head_dim)
         self.max_model_len = self._max_model_len(model_config)
         bytes_per_token = self.kv_layout.bytes_per_block // cfg.block_size
-        budget = kv_budget_bytes(cfg, self.device, bytes_per_token, self.max_model_len)
+        budget = kv_budget_bytes(cfg, self.device, bytes_per_token, self.max_model_len, free_before_load, weight_bytes)
         num_blocks = budget // self.kv_layout.bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block ({self.kv_layout.bytes_per_block} bytes each)")

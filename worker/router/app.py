@@ -59,6 +59,7 @@ class RouterConfig:
     stall_timeout: float = 60.0
     poll_interval: float = 0.5
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    chat_template: str | None = None  # replaces the model's chat template (--chat-template)
 
 
 class RouterState:
@@ -102,6 +103,8 @@ class RouterState:
                     eos = set(tok.eos_token_ids)
                 else:
                     tok, eos = await self._fetch_tokenizer()
+                if self.cfg.chat_template is not None:
+                    tok.chat_template = self.cfg.chat_template
                 info = self.registry.any_info()
                 self.dispatcher.eos_token_ids = eos
                 self.dispatcher.block_size = info.block_size if info else 16

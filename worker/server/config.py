@@ -29,6 +29,8 @@ class WorkerConfig:
     max_model_len: int | None = None
     layout_hash: str | None = None  # expected hash (from the operator); a mismatch refuses to start
     kv_cache_bytes: int | None = None
+    memory_utilization: float | None = None  # --gpu-memory-utilization: weights + KV in this share of free memory
+    seed: int = 0  # the engine's default sampling seed (requests may bring their own)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True

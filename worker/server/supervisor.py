@@ -62,7 +62,11 @@ class StackSpec:
     block_size: int = 16
     max_model_len: int | None = None
     kv_cache_bytes: int | None = None
+    memory_utilization: float | None = None  # per worker (--gpu-memory-utilization)
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    seed: int | None = None
+    chat_template: Path | None = None  # the router renders chats with this file instead of the model's template
     log_dir: Path = Path(".")
     prefill_fault: str | None = None  # test hook passed to prefill workers
     request_timeout: float = 600.0  # the router's per-request deadline
@@ -110,6 +114,12 @@ class LocalStack:
             argv += ["--kv-cache-bytes", str(s.kv_cache_bytes)]
         if s.max_num_batched_tokens:
             argv += ["--max-num-batched-tokens", str(s.max_num_batched_tokens)]
+        if s.memory_utilization is not None:
+            argv += ["--gpu-memory-utilization", str(s.memory_utilization)]
+        if s.max_num_seqs is not None:
+            argv += ["--max-num-seqs", str(s.max_num_seqs)]
+        if s.seed is not None:
+            argv += ["--seed", str(s.seed)]
         if s.kv_keys is not None:
             argv += ["--kv-keys", str(s.kv_keys)]
         return Proc(name, role, f"http://127.0.0.1:{port}", argv, s.log_dir / f"{name}.log", kv_port)
@@ -126,6 +136,8 @@ class LocalStack:
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
                 "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout),
                 "--stall-timeout", str(s.stall_timeout)]
+        if s.chat_template is not None:
+            argv += ["--chat-template", str(s.chat_template)]
         for p in self.workers:
             argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log"))

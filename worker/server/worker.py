@@ -105,7 +105,8 @@ class WorkerServer:
         cfg = self.cfg
         ecfg = EngineConfig(
             model_dir=str(cfg.model_dir), role=cfg.role, dtype=cfg.dtype, device=cfg.device,
-            block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, max_num_seqs=cfg.max_num_seqs,
+            block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, memory_utilization=cfg.memory_utilization,
+            seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             enable_prefix_caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len)
 
