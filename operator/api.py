@@ -146,11 +146,12 @@ class ModelSpec(ApiModel):
 
     name: str = Field(
         min_length=1, max_length=128, pattern=r"^[A-Za-z0-9][-A-Za-z0-9_./:]*$",
-        description="Name clients pass as `model` in OpenAI requests; also part of the KV layout hash.",
+        description="Name clients pass as `model` in OpenAI requests; also part of the spec fingerprint.",
     )
     source: ModelSource = Field(description="Where the weights come from.")
     dtype: Literal["bfloat16", "float16", "float32"] = Field(
-        default="bfloat16", description="Weight and KV-cache dtype; part of the KV layout hash."
+        default="bfloat16", description="Weight and KV-cache dtype (passed to every worker as --dtype); part of the "
+        "spec fingerprint."
     )
     max_model_len: int = Field(default=4096, ge=16, le=1_048_576, description="Longest prompt plus output, in tokens.")
 
@@ -172,13 +173,16 @@ class KVTransferSpec(ApiModel):
 
     transport: Literal["auto", "rdma", "tcp"] = Field(
         default="auto",
-        description="auto uses RDMA where the pod got an RDMA device and TCP otherwise; rdma and auto request "
-        "the rdmaResource device-plugin resource for every worker pod.",
+        description="rdma requests the rdmaResource for every worker pod and uses RDMA (pods stay Pending where no "
+        "node has the resource). auto requests nothing, so its pods schedule on any cluster: each worker uses RDMA "
+        "where its pod has an RDMA device anyway (e.g. rdmaResource listed in the pool's resources) and TCP "
+        "otherwise. tcp always uses TCP.",
     )
-    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block; part of the KV layout hash.")
+    block_size: int = Field(default=16, ge=1, le=1024, description="Tokens per KV-cache block; part of the spec fingerprint.")
     rdma_resource: str = Field(
         default=DEFAULT_RDMA_RESOURCE, min_length=3, max_length=253, pattern=r"^[A-Za-z0-9.-]+/[A-Za-z0-9_.-]+$",
-        description="Extended resource that an RDMA device plugin advertises (one is requested per worker pod).",
+        description="Extended resource that an RDMA device plugin advertises (one is requested per worker pod with "
+        "transport rdma).",
     )
     secure: bool = Field(
         default=False,
@@ -256,7 +260,8 @@ EnvList = Annotated[
 
 
 class ResourceRequirements(ApiModel):
-    """Extra container resources. The operator adds nvidia.com/gpu (and the RDMA resource) itself."""
+    """Extra container resources. The operator adds nvidia.com/gpu (and, for transport rdma, the RDMA resource)
+    itself."""
 
     requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu, memory.")
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
@@ -350,9 +355,25 @@ class DecodeAutoscalingSpec(AutoscalingSpec):
 class PoolSpec(ApiModel):
     """One worker pool (a Deployment of identical workers)."""
 
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="self.gpusPerReplica == 1",
+            message="gpusPerReplica must be 1: tensor parallelism is not supported yet",
+            check=lambda p: p.gpus_per_replica == 1,
+            field_path=".gpusPerReplica",
+        ),
+    )
+
     replicas: int = Field(default=1, ge=0, le=1000, description="Workers in the pool (while autoscaling is disabled).")
     gpus_per_replica: int = Field(
-        default=1, ge=1, le=64, description="GPUs per worker pod: the tensor-parallel size; part of the KV layout hash."
+        default=1, ge=1, le=64,
+        description="GPUs per worker pod: the tensor-parallel size; part of the spec fingerprint. Only 1 is accepted "
+        "until tensor parallelism lands.",
+    )
+    device: Literal["cuda", "cpu"] = Field(
+        default="cuda",
+        description="Where the worker runs the model (its --device): cuda, on the pod's GPUs, or cpu, for test "
+        "clusters whose GPUs are not real (the pod still requests gpusPerReplica GPUs, so it schedules the same).",
     )
     gpu_type: str | None = Field(
         default=None, max_length=63, description="Value of the nvidia.com/gpu.product node label to require, e.g. NVIDIA-H100-80GB-HBM3."
@@ -503,7 +524,10 @@ class DisaggregatedModelStatus(ApiModel):
     decode: PoolStatus | None = Field(default=None, description="The decode pool.")
     router: PoolStatus | None = Field(default=None, description="The router.")
     endpoint: str | None = Field(default=None, description="OpenAI API base URL inside the cluster.")
-    layout_hash: str | None = Field(default=None, description="KV layout hash carried by every worker pod.")
+    spec_fingerprint: str | None = Field(
+        default=None, description="Hash of the spec fields that decide which KV a worker produces (label "
+        "tandem.dev/spec-fingerprint on every worker pod).",
+    )
 
 
 def name_problem(name: str) -> str | None:

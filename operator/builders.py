@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +32,9 @@ KV_PORT = 5555
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"
 POOL_LABEL = "tandem.dev/pool"  # on nodes (and as a taint key) in GPU node pools
-LAYOUT_HASH_LABEL = "tandem.dev/layout-hash"
-LAYOUT_HASH_ENV = "TANDEM_LAYOUT_HASH"
+# Which spec a worker pod was built from (fingerprint.spec_fingerprint); informational, never checked by
+# the worker: the worker's own KV layout hash is what keeps incompatible workers apart.
+SPEC_FINGERPRINT_LABEL = "tandem.dev/spec-fingerprint"
 MODEL_MOUNT = "/models"
 FETCHED_MODEL_DIR = f"{MODEL_MOUNT}/model"  # where the fetch-model init container unpacks a uri source
 FETCH_CONTAINER = "fetch-model"
@@ -46,6 +48,13 @@ KV_KEYS_FINGERPRINT_ANNOTATION = "tandem.dev/kv-keys-fingerprint"
 KV_PUBLIC_KEY, KV_SECRET_KEY = "public", "secret"
 MANAGER = "tandem-operator"
 Component = str  # prefill | decode | router
+
+# Shutdown. SIGKILL comes terminationGracePeriodSeconds after the pod starts terminating, so the grace
+# period is derived from the drain timeout (the container's, or the one its extra args set) plus room.
+WORKER_DRAIN_TIMEOUT_S = 60  # `tandem worker --drain-timeout`: in-flight requests finish, then it exits
+ROUTER_DRAIN_TIMEOUT_S = 30  # `tandem router --drain-timeout`: open streams finish, then it exits
+ROUTER_PRESTOP_SLEEP_S = 5  # the router keeps serving while its endpoint leaves the Service
+SHUTDOWN_MARGIN_S = 15  # after the drain: engine and KV transport shutdown, process exit
 
 
 @dataclass(frozen=True)
@@ -142,20 +151,49 @@ def worker_model_dir(spec: DisaggregatedModelSpec) -> str:
     return source.path
 
 
-def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str) -> list[str]:
+def requests_rdma(spec: DisaggregatedModelSpec) -> bool:
+    """Only transport rdma requests the RDMA device-plugin resource. auto never does, so its pods schedule on a
+    cluster without the plugin; the worker then uses RDMA only where the pod has a device anyway (say, the
+    resource listed in the pool's resources) and tcp otherwise."""
+    return spec.kv_transfer.transport == "rdma"
+
+
+def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName) -> list[str]:
     pool_spec = spec.pool(pool)
     return [
         "worker", "--role", pool, "--pool", pool,
         "--model", worker_model_dir(spec), "--model-name", spec.model.name,
-        "--dtype", spec.model.dtype, "--block-size", str(spec.kv_transfer.block_size),
+        "--device", pool_spec.device, "--dtype", spec.model.dtype,
+        "--block-size", str(spec.kv_transfer.block_size),
         "--transport", spec.kv_transfer.transport,
         "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--kv-port", str(KV_PORT),
         "--tensor-parallel", str(pool_spec.gpus_per_replica),
         "--max-model-len", str(spec.model.max_model_len),
-        "--layout-hash", layout_hash,
+        "--drain-timeout", str(WORKER_DRAIN_TIMEOUT_S),
         *(["--kv-keys", KV_KEYS_MOUNT] if spec.kv_transfer.secure else []),
         *pool_spec.args,
     ]
+
+
+def flag_value(args: list[str], flag: str) -> str | None:
+    """The last value given for `flag` (`--flag V` or `--flag=V`), as click reads it; None if absent."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def grace_period(args: list[str], drain_default: int, before_drain: int = 0) -> int:
+    """terminationGracePeriodSeconds for a container with these args: its drain timeout plus room, so
+    SIGKILL never cuts a drain short (an unreadable --drain-timeout fails the container anyway)."""
+    try:
+        drain = math.ceil(float(flag_value(args, "--drain-timeout") or drain_default))
+    except ValueError:
+        drain = drain_default
+    return before_drain + max(drain, 0) + SHUTDOWN_MARGIN_S
 
 
 def fetch_model_args(spec: DisaggregatedModelSpec) -> list[str]:
@@ -183,14 +221,14 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
     return container
 
 
-def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, layout_hash: str,
+def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, spec_fingerprint: str,
                         kv_keys_fingerprint: str | None = None) -> Manifest:
     """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on."""
     pool_spec = spec.pool(pool)
     if spec.kv_transfer.secure and not kv_keys_fingerprint:
         raise ValueError("kvTransfer.secure: the worker pod template needs the KV keys' fingerprint")
     extended = {GPU_RESOURCE: pool_spec.gpus_per_replica}
-    if spec.kv_transfer.transport in ("rdma", "auto"):
+    if requests_rdma(spec):
         extended[spec.kv_transfer.rdma_resource] = 1
     node_selector: dict[str, str] = dict(pool_spec.node_selector) if pool_spec.node_selector is not None else {POOL_LABEL: pool}
     if pool_spec.gpu_type:
@@ -216,13 +254,14 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         volumes.append(kv_keys_volume(owner))
         mounts.append({"name": KV_KEYS_VOLUME, "mountPath": KV_KEYS_MOUNT, "readOnly": True})
         annotations[KV_KEYS_FINGERPRINT_ANNOTATION] = str(kv_keys_fingerprint)
+    args = worker_args(owner, spec, pool)
     container: Manifest = {
         "name": "worker",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
-        "args": worker_args(owner, spec, pool, layout_hash),
-        "env": [{"name": LAYOUT_HASH_ENV, "value": layout_hash}, *_env(pool_spec.env)],
+        "args": args,
+        "env": _env(pool_spec.env),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}],
         "resources": _resources(pool_spec.resources, extended),
@@ -239,7 +278,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         "nodeSelector": node_selector,
         "tolerations": tolerations,
         "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,  # lets a worker drain its running requests
+        "terminationGracePeriodSeconds": grace_period(args, WORKER_DRAIN_TIMEOUT_S),
     }
     if spec.model.source.uri is not None:
         pod_spec["initContainers"] = [fetch_model_container(spec, pool)]
@@ -247,7 +286,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         pod_spec["affinity"] = pool_spec.affinity
     return {
         "metadata": {
-            "labels": {**labels(owner, pool), LAYOUT_HASH_LABEL: layout_hash},
+            "labels": {**labels(owner, pool), SPEC_FINGERPRINT_LABEL: spec_fingerprint},
             "annotations": annotations,
         },
         "spec": pod_spec,
@@ -276,9 +315,9 @@ def _deployment(owner: Owner, component: Component, replicas: int, template: Man
 
 
 def worker_deployment(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, replicas: int,
-                      layout_hash: str, kv_keys_fingerprint: str | None = None) -> Manifest:
-    template = worker_pod_template(owner, spec, pool, layout_hash, kv_keys_fingerprint)
-    return _deployment(owner, pool, replicas, template, {LAYOUT_HASH_LABEL: layout_hash})
+                      spec_fingerprint: str, kv_keys_fingerprint: str | None = None) -> Manifest:
+    template = worker_pod_template(owner, spec, pool, spec_fingerprint, kv_keys_fingerprint)
+    return _deployment(owner, pool, replicas, template, {SPEC_FINGERPRINT_LABEL: spec_fingerprint})
 
 
 def worker_service(owner: Owner, pool: PoolName) -> Manifest:
@@ -296,12 +335,14 @@ def worker_service(owner: Owner, pool: PoolName) -> Manifest:
     }
 
 
-def pool_disruption_budget(owner: Owner, pool: PoolName) -> Manifest:
+def disruption_budget(owner: Owner, component: Component) -> Manifest:
+    """At most one pod of a pool (or of the routers) evicted at a time by a node drain: with two or more
+    replicas the rest keep serving; a single replica can still be moved (a budget of 0 would block drains)."""
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner, child_name(owner, pool), pool),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, pool)}},
+        "metadata": _metadata(owner, child_name(owner, component), component),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(owner, component)}},
     }
 
 
@@ -310,28 +351,35 @@ def router_args(owner: Owner, spec: DisaggregatedModelSpec) -> list[str]:
         "router", "--host", "0.0.0.0", "--port", str(HTTP_PORT), "--model-name", spec.model.name,
         "--discovery", "k8s", "--namespace", owner.namespace,
         "--prefill-service", child_name(owner, "prefill"), "--decode-service", child_name(owner, "decode"),
+        "--drain-timeout", str(ROUTER_DRAIN_TIMEOUT_S),
         *spec.router.args,
     ]
 
 
 def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int) -> Manifest:
     router = spec.router
+    args = router_args(owner, spec)
     container: Manifest = {
         "name": "router",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
-        "args": router_args(owner, spec),
+        "args": args,
         "env": _env(router.env),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
         "livenessProbe": _probe("/health", 10, 3),
-        "readinessProbe": _probe("/health", 5, 3),
+        # Ready only with a usable prefill and a usable decode worker: until then the Service sends it nothing.
+        "readinessProbe": _probe("/ready", 5, 3),
+        # Endpoints are removed while the pod terminates; until that reaches every proxy, keep serving.
+        "lifecycle": {"preStop": {"sleep": {"seconds": ROUTER_PRESTOP_SLEEP_S}}},
     }
     pod_spec: Manifest = {
         "serviceAccountName": child_name(owner, "router"),
         "containers": [container],
         "tolerations": _tolerations(router.tolerations),
+        # SIGTERM comes after the preStop sleep; then the router stops accepting and lets open streams finish.
+        "terminationGracePeriodSeconds": grace_period(args, ROUTER_DRAIN_TIMEOUT_S, ROUTER_PRESTOP_SLEEP_S),
     }
     if router.node_selector:
         pod_spec["nodeSelector"] = dict(router.node_selector)
@@ -383,16 +431,17 @@ def router_access(owner: Owner) -> list[Manifest]:
 
 
 def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping[PoolName, int],
-                   layout_hash: str, kv_keys_fingerprint: str | None = None) -> list[Manifest]:
+                   spec_fingerprint: str, kv_keys_fingerprint: str | None = None) -> list[Manifest]:
     """Every child of one resource, in apply order (RBAC before the pods that use it).
 
     Not the KV keys Secret: it is created once (kv_keys.ensure), never applied."""
     children: list[Manifest] = [*router_access(owner)]
     for pool in ("prefill", "decode"):
         children.append(worker_service(owner, pool))
-        children.append(pool_disruption_budget(owner, pool))
-        children.append(worker_deployment(owner, spec, pool, replicas[pool], layout_hash, kv_keys_fingerprint))
+        children.append(disruption_budget(owner, pool))
+        children.append(worker_deployment(owner, spec, pool, replicas[pool], spec_fingerprint, kv_keys_fingerprint))
     children.append(router_service(owner, spec))
+    children.append(disruption_budget(owner, "router"))
     children.append(router_deployment(owner, spec, spec.router.replicas))
     return children
 

@@ -17,8 +17,8 @@ from pydantic import ValidationError
 
 from tandem.operator import builders, conditions, kv_keys, pool_scale
 from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
+from tandem.operator.fingerprint import spec_fingerprint
 from tandem.operator.kube import Kube, KubeError
-from tandem.operator.layout_hash import spec_layout_hash
 from tandem.operator.replicas import desired_replicas, scaled_by
 from tandem.operator.rules import describe_validation_error
 
@@ -119,9 +119,9 @@ def _kv_keys_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outcome,
 
 
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
-                    layout_hash: str, kv_keys_fingerprint: str | None, outcome: Outcome,
+                    fingerprint: str, kv_keys_fingerprint: str | None, outcome: Outcome,
                     emit: Callable[[str, str, str], None], before: Mapping[str, dict[str, Any]]) -> None:
-    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, layout_hash,
+    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, fingerprint,
                                          kv_keys_fingerprint):
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
@@ -170,15 +170,15 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
     desired: dict[str, int] = {}
     pools = pool_scale.PoolResources()
     if spec is not None:
-        layout_hash = spec_layout_hash(spec)
+        fingerprint = spec_fingerprint(spec)
         before = {d["metadata"]["name"]: d for d in
                   kube.list("apps/v1", "Deployment", owner.namespace, builders.instance_labels(owner))}
         pools = _pool_resources(kube, owner, spec, old_status, before, outcome)
         desired = {pool: desired_replicas(spec, old_status, pool, pools.external(pool)) for pool in POOLS}
         desired["router"] = spec.router.replicas
-        fingerprint = _kv_keys_fingerprint(kube, owner, outcome, emit) if spec.kv_transfer.secure else None
-        if fingerprint is not None or not spec.kv_transfer.secure:
-            _apply_children(kube, owner, spec, desired, layout_hash, fingerprint, outcome, emit, before)
+        keys = _kv_keys_fingerprint(kube, owner, outcome, emit) if spec.kv_transfer.secure else None
+        if keys is not None or not spec.kv_transfer.secure:
+            _apply_children(kube, owner, spec, desired, fingerprint, keys, outcome, emit, before)
         # else: nothing is applied (the pods as they run stay) until the keys are usable again.
 
     observations = _observe(kube, owner, desired, outcome)
@@ -191,7 +191,7 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
     status: dict[str, Any] = {"observedGeneration": generation, "conditions": new_conditions}
     if spec is not None:
         status["endpoint"] = builders.endpoint_url(owner, spec)
-        status["layoutHash"] = layout_hash
+        status["specFingerprint"] = fingerprint
         for obs in observations:
             pool_status = conditions.pool_status(obs)
             if obs.component in POOLS:

@@ -1,11 +1,11 @@
 """The simulation through the real operator: kwok GPU pools, the load model, Prometheus, `tandem operator`.
 
 Real parts: the local control plane (kube-apiserver, scheduler, controller-manager; kwok nodes
-with 8 GPUs each, 4 prefill and 8 decode nodes, hack/cluster-nodes.json), the operator as a
+with 8 GPUs, 96 (prefill) or 64 (decode) CPUs each, 4 prefill and 8 decode nodes, hack/cluster-nodes.json), the operator as a
 subprocess (`tandem operator --prometheus-url ... --autoscale-interval 2`), Debian's Prometheus,
 and hack/load_model.py serving the worker metrics for as many replicas as the pools' Deployments
 have ready, so the loop closes through Prometheus and the control plane. Each worker pod asks
-for 8 GPUs (gpusPerReplica 8): the prefill nodes hold 4 pods and the scheduler leaves a fifth
+for most of a node's CPUs (one GPU each: tensor parallelism is not built): the prefill nodes hold 4 pods and the scheduler leaves a fifth
 Pending/Unschedulable. Nothing in this test writes a replica count; the operator does.
 
 Time is compressed 10x against the modeled system (docs/autoscaling.md): each replica is 10x
@@ -61,7 +61,8 @@ MODEL, NAME = "sim-model", "sim"
 K = 10.0  # the modeled system runs this many times slower than the test
 INTERVAL, DOWN_WINDOW, COOLDOWN, MAX = 2, 16, 4, 6  # real seconds; replicas
 RATIO = (0.25, 4.0)
-CAPACITY = {"prefill": 4, "decode": 8}  # nodes x 8 GPUs / 8 GPUs per pod
+CAPACITY = {"prefill": 4, "decode": 8}  # one pod per node: each asks for most of its CPUs (POD_CPUS)
+POD_CPUS = {"prefill": "90", "decode": "60"}  # of 96 and 64
 # The load model's KV usage tops out near 0.8 when decode is saturated (it frees and refills KV in
 # whole requests between samples), so the target sits below that.
 TARGET_KV = 0.5
@@ -80,9 +81,9 @@ def resource() -> dict[str, Any]:
         "spec": {
             "model": {"name": MODEL, "source": {"path": "/models/sim"}},
             # maxScaleUpPods 8: one decision may ask for more than maxReplicas and than the nodes hold.
-            "prefill": {"replicas": 1, "gpusPerReplica": 8,
+            "prefill": {"replicas": 1, "resources": {"requests": {"cpu": POD_CPUS["prefill"]}},
                         "autoscaling": {**auto, "targetQueueDepth": 2, "maxScaleUpPods": 8}},
-            "decode": {"replicas": 1, "gpusPerReplica": 8,
+            "decode": {"replicas": 1, "resources": {"requests": {"cpu": POD_CPUS["decode"]}},
                        "autoscaling": {**auto, "targetKVUtilization": TARGET_KV}},
             "slo": {"ttftMs": int(3000 / K), "itlMs": int(50 / K)},
             "ratio": {"minPrefillPerDecode": RATIO[0], "maxPrefillPerDecode": RATIO[1]},

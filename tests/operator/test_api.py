@@ -41,6 +41,7 @@ def test_invalid_resource_is_refused_naming_the_field(invalid_case: dict[str, An
     spec, problem = parse_spec(resource)
     assert spec is None, f"{invalid_case['id']} was accepted: {yaml.safe_dump(resource['spec'])}"
     assert problem is not None and invalid_case["field"] in problem, problem
+    assert invalid_case.get("message", "") in problem, problem
 
 
 @pytest.mark.parametrize(("name", "ok"), [

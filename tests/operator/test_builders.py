@@ -11,7 +11,7 @@ import pytest
 
 from tandem.operator import builders, kv_keys
 from tandem.operator.api import DisaggregatedModelSpec
-from tandem.operator.layout_hash import spec_layout_hash
+from tandem.operator.fingerprint import spec_fingerprint
 from tandem.worker.kv.keys import KVKeys
 
 OWNER = builders.Owner(name="tiny", namespace="serving", uid="uid-1")
@@ -24,7 +24,7 @@ def spec_of(**changes: Any) -> DisaggregatedModelSpec:
 
 
 def children(spec: DisaggregatedModelSpec, prefill: int = 1, decode: int = 1) -> dict[tuple[str, str], dict[str, Any]]:
-    built = builders.build_children(OWNER, spec, {"prefill": prefill, "decode": decode}, spec_layout_hash(spec))
+    built = builders.build_children(OWNER, spec, {"prefill": prefill, "decode": decode}, spec_fingerprint(spec))
     return {(c["kind"], c["metadata"]["name"]): c for c in built}
 
 
@@ -46,7 +46,7 @@ def test_one_resource_makes_every_child_once() -> None:
     assert names == sorted([
         "Deployment/tiny-prefill", "Deployment/tiny-decode", "Deployment/tiny-router",
         "Service/tiny-prefill", "Service/tiny-decode", "Service/tiny",
-        "PodDisruptionBudget/tiny-prefill", "PodDisruptionBudget/tiny-decode",
+        "PodDisruptionBudget/tiny-prefill", "PodDisruptionBudget/tiny-decode", "PodDisruptionBudget/tiny-router",
         "ServiceAccount/tiny-router", "Role/tiny-router", "RoleBinding/tiny-router",
     ])
 
@@ -70,27 +70,53 @@ def test_every_child_is_owned_labelled_and_namespaced() -> None:
 def test_worker_command_follows_the_cli_contract(pool: str) -> None:
     spec = spec_of(model={"name": "tiny-llama", "source": {"path": "/models/tiny"}, "dtype": "float16",
                           "maxModelLen": 2048},
-                   kvTransfer={"transport": "tcp", "blockSize": 32}, **{pool: {"gpusPerReplica": 2, "args": ["--x", "1"]}})
+                   kvTransfer={"transport": "tcp", "blockSize": 32}, **{pool: {"args": ["--x", "1"]}})
     c = container(worker(spec, pool))
     assert c["command"] == ["tandem"]
     assert c["args"][0] == "worker"
     assert c["args"][-2:] == ["--x", "1"]
     assert flags(c["args"]) == {
-        "role": pool, "pool": pool, "model": "/models/tiny", "model-name": "tiny-llama", "dtype": "float16",
-        "block-size": "32", "transport": "tcp", "host": "0.0.0.0", "port": "8000", "kv-port": "5555",
-        "tensor-parallel": "2", "max-model-len": "2048", "layout-hash": spec_layout_hash(spec), "x": "1",
+        "role": pool, "pool": pool, "model": "/models/tiny", "model-name": "tiny-llama", "device": "cuda",
+        "dtype": "float16", "block-size": "32", "transport": "tcp", "host": "0.0.0.0", "port": "8000",
+        "kv-port": "5555", "tensor-parallel": "1", "max-model-len": "2048", "drain-timeout": "60", "x": "1",
     }
 
 
-@pytest.mark.parametrize(("transport", "gpus", "expected"), [
-    ("auto", 1, {"nvidia.com/gpu": "1", "rdma/rdma_shared_device_a": "1"}),
-    ("rdma", 4, {"nvidia.com/gpu": "4", "rdma/rdma_shared_device_a": "1"}),
-    ("tcp", 8, {"nvidia.com/gpu": "8"}),
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_the_operator_never_passes_a_layout_hash_for_the_worker_to_check(pool: str) -> None:
+    """The worker's own KV layout hash (from the model it loaded) is the fence; a spec hash is not comparable."""
+    c = container(worker(spec_of(), pool))
+    assert "--layout-hash" not in c["args"]
+    assert "TANDEM_LAYOUT_HASH" not in {e["name"] for e in c["env"]}
+
+
+@pytest.mark.parametrize(("pool_spec", "device"), [({}, "cuda"), ({"device": "cpu"}, "cpu")])
+def test_workers_run_on_the_gpus_unless_the_pool_says_cpu(pool_spec: dict[str, Any], device: str) -> None:
+    spec = spec_of(decode=pool_spec, model={"name": "m", "source": {"path": "/m"}, "dtype": "bfloat16"})
+    args = flags(container(worker(spec, "decode"))["args"])
+    assert (args["device"], args["dtype"]) == (device, "bfloat16")
+    assert flags(container(worker(spec, "prefill"))["args"])["device"] == "cuda"
+    # The pod requests its GPU either way, so a cpu pool schedules where a cuda one would.
+    assert container(worker(spec, "decode"))["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
+@pytest.mark.parametrize("field", ["prefill", "decode"])
+def test_more_than_one_gpu_per_replica_is_refused_until_tensor_parallelism_lands(field: str) -> None:
+    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
+        spec_of(**{field: {"gpusPerReplica": 2}})
+
+
+@pytest.mark.parametrize(("transport", "expected"), [
+    # auto requests no RDMA device: on a cluster without the device plugin its pods schedule and use tcp.
+    ("auto", {"nvidia.com/gpu": "1"}),
+    ("rdma", {"nvidia.com/gpu": "1", "rdma/rdma_shared_device_a": "1"}),
+    ("tcp", {"nvidia.com/gpu": "1"}),
 ])
-def test_worker_requests_gpus_and_rdma_device(transport: str, gpus: int, expected: dict[str, str]) -> None:
-    spec = spec_of(kvTransfer={"transport": transport}, decode={"gpusPerReplica": gpus})
-    resources = container(worker(spec, "decode"))["resources"]
-    assert resources == {"requests": expected, "limits": expected}
+def test_worker_requests_gpus_and_rdma_device(transport: str, expected: dict[str, str]) -> None:
+    spec = spec_of(kvTransfer={"transport": transport})
+    c = container(worker(spec, "decode"))
+    assert c["resources"] == {"requests": expected, "limits": expected}
+    assert flags(c["args"])["transport"] == transport
 
 
 def test_user_resources_are_kept_next_to_the_gpus() -> None:
@@ -136,17 +162,15 @@ def test_affinity_is_passed_through() -> None:
     assert pod["affinity"] == affinity
 
 
-def test_worker_pods_carry_layout_hash_scrape_annotations_and_env() -> None:
+def test_worker_pods_carry_the_spec_fingerprint_scrape_annotations_and_env() -> None:
     spec = spec_of(decode={"env": [{"name": "A", "value": "1"},
                                    {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}]})
     template = worker(spec, "decode")["spec"]["template"]
-    layout = spec_layout_hash(spec)
-    assert template["metadata"]["labels"]["tandem.dev/layout-hash"] == layout
+    assert template["metadata"]["labels"]["tandem.dev/spec-fingerprint"] == spec_fingerprint(spec)
     assert template["metadata"]["labels"]["tandem.dev/role"] == "decode"
     assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
     assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
     env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
-    assert env["TANDEM_LAYOUT_HASH"]["value"] == layout
     assert env["A"] == {"name": "A", "value": "1"}
     assert env["TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "s", "key": "k"}}
 
@@ -225,15 +249,40 @@ def test_router_discovers_the_pools_through_their_services() -> None:
     c = container(deployment)
     assert flags(c["args"]) == {
         "host": "0.0.0.0", "port": "8000", "model-name": "tiny-llama", "discovery": "k8s", "namespace": "serving",
-        "prefill-service": "tiny-prefill", "decode-service": "tiny-decode"}
+        "prefill-service": "tiny-prefill", "decode-service": "tiny-decode", "drain-timeout": "30"}
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "tiny-router"
     binding = built[("RoleBinding", "tiny-router")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "serving"}]
 
 
-def test_pdb_per_pool_selects_that_pool() -> None:
-    built = children(spec_of())
+def test_router_is_ready_only_with_usable_workers_and_drains_before_it_is_killed() -> None:
+    pod = children(spec_of())[("Deployment", "tiny-router")]["spec"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # a prefill and a decode worker
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
+    assert pod["terminationGracePeriodSeconds"] > sleep + int(flags(c["args"])["drain-timeout"])
+
+
+@pytest.mark.parametrize(("extra", "drain"), [([], 60), (["--drain-timeout", "300"], 300),
+                                              (["--drain-timeout=12.5"], 13)])
+def test_worker_grace_period_outlasts_its_drain_timeout(extra: list[str], drain: int) -> None:
     for pool in ("prefill", "decode"):
+        deployment = worker(spec_of(**{pool: {"args": extra}}), pool)
+        args = container(deployment)["args"]
+        assert builders.flag_value(args, "--drain-timeout") == (extra[-1].split("=")[-1] if extra else "60")
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert grace >= drain + 10, (grace, drain)  # SIGKILL never races the drain
+
+
+def test_router_grace_period_follows_its_args() -> None:
+    deployment = children(spec_of(router={"args": ["--drain-timeout", "120"]}))[("Deployment", "tiny-router")]
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= 5 + 120 + 10
+
+
+def test_pdb_per_pool_and_router_selects_that_component() -> None:
+    built = children(spec_of())
+    for pool in ("prefill", "decode", "router"):
         pdb = built[("PodDisruptionBudget", f"tiny-{pool}")]["spec"]
         assert pdb["maxUnavailable"] == 1
         assert pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == pool
@@ -252,16 +301,15 @@ def test_selectors_do_not_change_when_the_spec_does() -> None:
     (lambda s: s | {"slo": {"ttftMs": 5}}, True),
     (lambda s: s | {"model": {**s["model"], "dtype": "float32"}}, False),
     (lambda s: s | {"kvTransfer": {"blockSize": 32}}, False),
-    (lambda s: s | {"decode": {"gpusPerReplica": 2}}, False),
     (lambda s: s | {"model": {**s["model"], "name": "other"}}, False),
     (lambda s: s | {"model": {**s["model"], "source": {"path": "/models/other"}}}, False),
     (lambda s: s | {"model": {**s["model"], "source": {"uri": "https://models.example/tiny.tar"}}}, False),
 ])
-def test_layout_hash_follows_only_kv_relevant_settings(change: Callable[[dict[str, Any]], dict[str, Any]],
+def test_spec_fingerprint_follows_only_kv_relevant_settings(change: Callable[[dict[str, Any]], dict[str, Any]],
                                                        same: bool) -> None:
     base = {"model": {"name": "tiny-llama", "source": {"path": "/models/tiny"}}}
-    before = spec_layout_hash(DisaggregatedModelSpec.model_validate(base))
-    after = spec_layout_hash(DisaggregatedModelSpec.model_validate(change(dict(base))))
+    before = spec_fingerprint(DisaggregatedModelSpec.model_validate(base))
+    after = spec_fingerprint(DisaggregatedModelSpec.model_validate(change(dict(base))))
     assert (before == after) == same
 
 
@@ -273,7 +321,7 @@ FINGERPRINT = builders.kv_keys_fingerprint(KEYS)
 
 def secure_children(**changes: Any) -> dict[tuple[str, str], dict[str, Any]]:
     spec = spec_of(kvTransfer={"secure": True}, **changes)
-    built = builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, spec_layout_hash(spec), FINGERPRINT)
+    built = builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, spec_fingerprint(spec), FINGERPRINT)
     return {(c["kind"], c["metadata"]["name"]): c for c in built}
 
 

@@ -8,10 +8,10 @@ ServiceAccount token, so the operator's documented router RBAC is exercised too.
 
 Not covered here, and why:
 - method="dns": there is no cluster DNS on this machine, so `<svc>.<ns>.svc` cannot resolve.
-- the layout-hash check: the router learns each worker's hash from its GET /info, and kwok pods
-  serve no HTTP. What is checked is the part the cluster owns: the discovered pods are started with
-  the model's hash, and a pod that is not ready (which is what a worker whose hash disagrees stays:
-  it refuses to start) is not discovered.
+- the KV layout check: the router learns each worker's layout hash (computed from the model it
+  loaded) from its GET /info, and kwok pods serve no HTTP. What is checked is the part the cluster
+  owns: the discovered pods carry the spec fingerprint as a label and are not given a hash to check
+  (tests/operator/test_worker_args_run.py runs the exact worker command line as a process).
 """
 
 from __future__ import annotations
@@ -193,21 +193,21 @@ def test_a_pod_that_is_not_ready_is_not_discovered(pools: Pools) -> None:
     assert back == urls
 
 
-def test_discovered_pods_carry_the_models_layout_hash(pools: Pools) -> None:
-    """The cluster's half of the layout-hash contract; the router checks the other half via /info."""
+def test_discovered_pods_carry_the_spec_fingerprint_and_no_hash_to_check(pools: Pools) -> None:
+    """The label tells which spec a pod runs; the layout fence is the workers' own hash, via /info."""
     pools.wait_until_discovered("decode", len(pools.pods("decode")))
-    expected = wait_for("the DisaggregatedModel's status.layoutHash",
-                        lambda: (pools.get("dm", DM).get("status") or {}).get("layoutHash"), timeout=30)
+    expected = wait_for("the DisaggregatedModel's status.specFingerprint",
+                        lambda: (pools.get("dm", DM).get("status") or {}).get("specFingerprint"), timeout=30)
     discovered = set(pools.discover(*ROLES))
     pods = [p for role in ROLES for p in pools.pods(role)
             if f"http://{p['status'].get('podIP')}:{WORKER_PORT}" in discovered]
     assert len(pods) == len(discovered)
     for pod in pods:
         name = pod["metadata"]["name"]
-        assert pod["metadata"]["labels"].get("tandem.dev/layout-hash") == expected, name
+        assert pod["metadata"]["labels"].get("tandem.dev/spec-fingerprint") == expected, name
         worker = pod["spec"]["containers"][0]
-        args = worker.get("args") or []
-        assert "--layout-hash" in args and args[args.index("--layout-hash") + 1] == expected, (name, args)
+        assert "--layout-hash" not in (worker.get("args") or []), name
+        assert "TANDEM_LAYOUT_HASH" not in {e["name"] for e in worker.get("env") or []}, name
 
 
 def test_the_routers_service_account_sees_only_its_namespace(pools: Pools) -> None:

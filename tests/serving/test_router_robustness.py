@@ -9,6 +9,7 @@ a worker still loading) and count where requests went, without loading a model.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -108,7 +109,14 @@ class FakeWorker:
 
 
 @pytest.fixture
-def start_router(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., str]]:
+def router_procs() -> dict[str, subprocess.Popen[bytes]]:
+    """URL -> process of each router start_router started (for tests that signal it)."""
+    return {}
+
+
+@pytest.fixture
+def start_router(tiny_model: Path, tmp_path: Path,
+                 router_procs: dict[str, subprocess.Popen[bytes]]) -> Iterator[Callable[..., str]]:
     started: list[tuple[subprocess.Popen[bytes], FakeWorker | None]] = []
     workers: list[FakeWorker] = []
 
@@ -122,6 +130,7 @@ def start_router(tiny_model: Path, tmp_path: Path) -> Iterator[Callable[..., str
         started.append((popen, None))
         workers.extend(prefill + decode)
         url = f"http://127.0.0.1:{port}"
+        router_procs[url] = popen
         limit = time.monotonic() + 60
         while time.monotonic() < limit:
             assert popen.poll() is None, (tmp_path / f"router-{port}.log").read_text()
@@ -260,3 +269,53 @@ def test_a_quiet_stream_is_kept_while_the_worker_sends_heartbeats(start_router: 
         assert (streams, took >= 7.0) == (1, True), (streams, took)
     else:
         assert streams == 2 and took < 7.0, (streams, took)
+
+
+@pytest.mark.parametrize("roles", [("decode",), ("prefill",)], ids=["decode-only", "prefill-only"])
+def test_ready_needs_a_usable_prefill_and_a_usable_decode_worker(start_router: Callable[..., str],
+                                                                 roles: tuple[str, ...]) -> None:
+    """Kubernetes routes to a router only once /ready says 200: with one kind of worker missing it must not."""
+    prefill = [FakeWorker("prefill")] if "prefill" in roles else []
+    decode = [FakeWorker("decode")] if "decode" in roles else []
+    url = start_router(prefill, decode, wait_ready=False)
+    limit = time.monotonic() + 20
+    while httpx.get(f"{url}/health", timeout=5).json()["workers"].get(f"{roles[0]}_ready", 0) < 1:
+        assert time.monotonic() < limit, "the router never saw its worker"
+        time.sleep(0.1)
+    ready = httpx.get(f"{url}/ready", timeout=5)
+    assert ready.status_code == 503 and ready.json()["ready"] is False, ready.text
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # alive all the same
+
+
+def test_ready_with_a_usable_prefill_and_decode_worker(start_router: Callable[..., str]) -> None:
+    url = start_router([FakeWorker("prefill")], [FakeWorker("decode")], wait_ready=False)
+    limit = time.monotonic() + 20
+    while httpx.get(f"{url}/ready", timeout=5).status_code != 200:
+        assert time.monotonic() < limit, "the router never became ready"
+        time.sleep(0.1)
+
+
+def test_sigterm_drains_open_streams_and_refuses_new_connections(
+        start_router: Callable[..., str], router_procs: dict[str, subprocess.Popen[bytes]]) -> None:
+    """A stream open at SIGTERM gets every token; new connections are refused; the router then exits."""
+    # Paused for longer than the 5 s uvicorn gave open connections before --drain-timeout existed.
+    worker = FakeWorker("both", pause={"seconds": 7.0, "heartbeats": True})
+    url = start_router([], [worker], "--drain-timeout", "20")
+    proc = router_procs[url]
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 5, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+        lines = stream.iter_lines()
+        for line in lines:
+            if line.startswith("data:"):
+                events.append(line)
+                break  # the first token is out: the stream is open and paused on the worker
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/health", timeout=2)
+        events += [line for line in lines if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]", events
+    text = "".join(json.loads(e[5:])["choices"][0]["text"] for e in events[:-1] if json.loads(e[5:])["choices"])
+    assert len(events) >= 3 and text, events
+    assert proc.wait(20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has shut down

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 from pathlib import Path
 
 import click
@@ -34,11 +35,15 @@ from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesD
               help="Largest request body accepted; a bigger one gets 413 before it is read or tokenized.")
 @click.option("--chat-template", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A Jinja file that replaces the model's chat template.")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
+              help="On SIGTERM: stop accepting connections and let open requests and streams finish for up to "
+              "this many seconds.")
 @click.option("--log-level", default="info", show_default=True)
 def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
             prefill: tuple[str, ...], decode: tuple[str, ...], discovery: str, namespace: str,
             prefill_service: str | None, decode_service: str | None, worker_port: int, request_timeout: float,
-            stall_timeout: float, max_request_bytes: int, chat_template: Path | None, log_level: str) -> None:
+            stall_timeout: float, max_request_bytes: int, chat_template: Path | None, drain_timeout: float,
+            log_level: str) -> None:
     """Serve /v1/* by placing requests on prefill and decode workers."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s router:{port} %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -71,5 +76,6 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
                        request_timeout=request_timeout, stall_timeout=stall_timeout,
                        max_request_bytes=max_request_bytes,
                        chat_template=chat_template.read_text() if chat_template is not None else None)
+    # uvicorn's graceful shutdown is the drain: listeners close at once, open connections get this long.
     uvicorn.run(create_app(cfg), host=host, port=port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=math.ceil(drain_timeout))

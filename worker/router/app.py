@@ -25,7 +25,7 @@ from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
 from tandem.worker.router import errors
 from tandem.worker.router.discovery import Discovery
-from tandem.worker.router.dispatch import DECODE_ROLES, Dispatcher, TokenEvent
+from tandem.worker.router.dispatch import DECODE_ROLES, PREFILL_ROLES, Dispatcher, TokenEvent
 from tandem.worker.router.errors import APIError
 from tandem.worker.router.openai_api import (
     ChatRequest,
@@ -125,7 +125,8 @@ class RouterState:
         raise errors.unavailable("no worker could provide the tokenizer yet")
 
     def ready(self) -> bool:
-        return bool(self.registry.usable(DECODE_ROLES))
+        """Requests can be served: a usable worker to prefill and one to decode (a `both` worker is each)."""
+        return bool(self.registry.usable(PREFILL_ROLES)) and bool(self.registry.usable(DECODE_ROLES))
 
 
 def create_app(cfg: RouterConfig) -> FastAPI:

@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 ModelT = TypeVar("ModelT", bound=BaseModel)
 
 DECODE_ROLES = ("decode", "both")
+PREFILL_ROLES = ("prefill", "both")
 MAX_MIGRATIONS = 3
 RESERVE_TIMEOUT_S = 5.0
 # A decode worker the registry has not reached for this long (its polls time out after 2 s) is given
