@@ -473,7 +473,7 @@ def simulate(args: argparse.Namespace, static: dict[str, int] | None = None) -> 
         if now >= next_tick:
             signals.now = now
             counts = {r: PoolCounts(ready[r], max(desired[r] - cluster.capacity[r], 0)) for r in ROLES}
-            result = autoscale_tick(spec=spec, status=status, namespace="sim", counts=counts,
+            result = autoscale_tick(spec=spec, status=status, namespace="sim", name="sim", counts=counts,
                                     signals=signals, clock=lambda at=now: at, state=state)
             state = result.state
             for r, n in result.desired.items():

@@ -20,7 +20,7 @@ from tandem.worker import metrics as m
 # tandem_dev_model: the chart's PodMonitor sets podTargetLabels, and the usual kubernetes_sd
 # `labelmap: __meta_kubernetes_pod_label_(.+)` does the same. It is the only link between a
 # worker's series (`model` is the *served* model name) and the operator's (`name`).
-RESOURCE_TARGET_LABEL = "tandem_dev_model"
+RESOURCE_TARGET_LABEL = m.LABEL_RESOURCE
 TARGET_LABELS = ("namespace", "pod", "instance", "job", RESOURCE_TARGET_LABEL)
 # Alerts and SLO recordings aggregate per served model in its namespace.
 MODEL_GROUPING = ("namespace", m.LABEL_MODEL)

@@ -85,8 +85,8 @@ def autoscale_resource(kube: Kube, namespace: str, name: str, signals: sig.Signa
     external: dict[str, int | None] = {p: pools.external(p) for p in POOLS}
     state: dict[str, Any] = {p: (old_status.get(p) or {}).get("autoscalerState") for p in autoscaled}
     # Signals are fetched outside the reconcile lock: a slow Prometheus must not hold up reconciles.
-    result = autoscale_tick(spec=spec, status=old_status, namespace=namespace, counts=_counts(kube, owner),
-                            signals=signals, clock=clock, state=state, external=external)
+    result = autoscale_tick(spec=spec, status=old_status, namespace=namespace, name=name,
+                            counts=_counts(kube, owner), signals=signals, clock=clock, state=state, external=external)
 
     with resource_lock(namespace, name):
         # Re-read the conditions: a reconcile may have written its own since; keep them.

@@ -230,13 +230,14 @@ def autoscale_tick(
     spec: DisaggregatedModelSpec,
     status: Mapping[str, Any] | None,
     namespace: str,
+    name: str,
     counts: Mapping[str, PoolCounts],
     signals: sig.SignalSource,
     clock: Callable[[], float],
     state: Mapping[str, Any] | None = None,
     external: Mapping[str, int | None] | None = None,
 ) -> TickResult:
-    """One autoscaler tick for one DisaggregatedModel. Never raises on bad metrics: it holds.
+    """One autoscaler tick for the DisaggregatedModel `name` in `namespace`. Never raises on bad metrics: it holds.
 
     `external`: each DisaggregatedPool's spec.replicas, the size of a pool in mode external (which
     the ratio band then treats as fixed, like a pool with autoscaling off).
@@ -266,7 +267,7 @@ def autoscale_tick(
             observations[pool] = PoolObservation(current, pool_counts.ready, pool_counts.unschedulable)
             continue
         try:
-            fetched = signals.fetch(pool, sig.Selector(namespace, spec.model.name, pool))
+            fetched = signals.fetch(pool, sig.Selector(namespace, name, pool))
         except Exception as exc:  # a broken source is missing data, never a crashed timer
             fetched = sig.PoolSignals({}, {"error": f"signal source failed: {type(exc).__name__}: {exc}"})
         observations[pool] = _observation(pool, current, pool_counts, fetched)

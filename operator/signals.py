@@ -35,28 +35,31 @@ class SignalsError(ValueError):
 class Selector:
     """Which series belong to one pool of one resource.
 
-    In Kubernetes the scrape adds `namespace`; the workers carry `model`, `role` and `pool`.
-    `pool` is the worker's --pool value. The latency histograms are matched on namespace, model
-    and the engine roles that measure them (TTFT: prefill|both, ITL: decode|both, as the SLO
-    alerts do), not on pool: a decode worker's fallback prefill must not count as prefill TTFT.
+    Keyed on the resource, not on the served model name (two DisaggregatedModels may serve the
+    same name in one namespace): the scrape adds `namespace` and `tandem_dev_model` (the pod label
+    tandem.dev/model, the resource's name); the workers carry `role` and `pool` (their --pool).
+    The latency histograms are matched on namespace, resource and the engine roles that measure
+    them (TTFT: prefill|both, ITL: decode|both, as the SLO alerts do), not on pool: a decode
+    worker's fallback prefill must not count as prefill TTFT.
     """
 
     namespace: str
-    model: str
+    resource: str  # the DisaggregatedModel's name
     pool: str
     # Also match the engine role: needed where one pool label holds both roles (`tandem serve`
     # labels every worker pool="local"); in Kubernetes role and pool coincide.
     role: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("namespace", "model", "pool"):
+        for name in ("namespace", "resource", "pool"):
             if not getattr(self, name):
                 raise SignalsError(f"selector {name} is empty: the query would match every {name}")
         if self.role is not None and not self.role:
             raise SignalsError("selector role is empty: leave it out to match every role")
 
     def matchers(self, *, with_pool: bool = True, role_regex: str | None = None) -> str:
-        parts = [f'{m.LABEL_NAMESPACE}="{_escape(self.namespace)}"', f'{m.LABEL_MODEL}="{_escape(self.model)}"']
+        parts = [f'{m.LABEL_NAMESPACE}="{_escape(self.namespace)}"',
+                 f'{m.LABEL_RESOURCE}="{_escape(self.resource)}"']
         if with_pool:
             parts.append(f'{m.LABEL_POOL}="{_escape(self.pool)}"')
             if self.role is not None:

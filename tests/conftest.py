@@ -19,9 +19,10 @@ import time
 import urllib.request
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -143,14 +144,17 @@ def prometheus_binary() -> str:
 
 
 def start_prometheus(targets: list[str], workdir: Path, scrape_interval: str = "1s",
-                     extra_labels: dict[str, str] | None = None) -> Prometheus:
+                     extra_labels: dict[str, str] | None = None,
+                     more_targets: Sequence[tuple[list[str], dict[str, str]]] = ()) -> Prometheus:
+    """`more_targets`: further (targets, labels) groups, e.g. pods of another resource."""
     port = free_port()
-    static = {"targets": targets}
+    static: dict[str, Any] = {"targets": targets}
     if extra_labels:
-        static["labels"] = extra_labels  # type: ignore[assignment]
+        static["labels"] = extra_labels
+    groups = [static, *({"targets": t, "labels": labels} for t, labels in more_targets)]
     config = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
-        "scrape_configs": [{"job_name": "tandem", "static_configs": [static]}],
+        "scrape_configs": [{"job_name": "tandem", "static_configs": groups}],
     }
     (workdir / "prometheus.yml").write_text(json.dumps(config))
     log = open(workdir / "prometheus.log", "wb")  # noqa: SIM115 (the child process keeps it open)

@@ -24,6 +24,10 @@ COMMON_LABELS = (LABEL_MODEL, LABEL_ROLE, LABEL_POOL)
 LABEL_TRANSPORT = "transport"
 LABEL_REASON = "reason"
 LABEL_DIRECTION = "direction"  # send | recv
+# Not set by the process: the scrape adds it from the pod label tandem.dev/model (the DisaggregatedModel's
+# name; the chart's PodMonitor podTargetLabels, or a kubernetes_sd labelmap). It tells apart two resources
+# that serve the same model name in one namespace, which `model` cannot.
+LABEL_RESOURCE = "tandem_dev_model"
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from typing import Any
 
 import pytest
 
+from tandem.worker.metrics import LABEL_RESOURCE
 from tandem.worker.server.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
@@ -200,7 +201,8 @@ def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
     # and the load trace's clock must not run while nobody scrapes. It adds the namespace label
     # as the Kubernetes scrape does.
     port = free_port()
-    prom = prometheus([f"127.0.0.1:{port}"], extra_labels={"namespace": namespace}, scrape_interval=f"{SCRAPE_S * 1000:.0f}ms")
+    prom = prometheus([f"127.0.0.1:{port}"], extra_labels={"namespace": namespace, LABEL_RESOURCE: NAME},
+                      scrape_interval=f"{SCRAPE_S * 1000:.0f}ms")
     env = dict(k8s_cluster.env, TANDEM_AUTOSCALER_RATE_WINDOW="5s")  # the latency quantiles' window, compressed
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, tmp_path / "operator.log", env,
                                extra_args=("--prometheus-url", prom.url, "--autoscale-interval", str(INTERVAL)))

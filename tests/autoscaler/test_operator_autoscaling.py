@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tandem.worker.metrics import LABEL_RESOURCE
 from tandem.worker.server.ports import free_port
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))
@@ -64,7 +65,8 @@ def bed(k8s_cluster: Any, prometheus: Any, tmp_path: Path) -> Iterator[Bed]:
     # Prometheus first, on the port the load model will take (its scrape targets apply every 5 s);
     # it adds the namespace label as the Kubernetes scrape does.
     port = free_port()
-    prom = prometheus([f"127.0.0.1:{port}"], extra_labels={"namespace": namespace}, scrape_interval="500ms")
+    prom = prometheus([f"127.0.0.1:{port}"], extra_labels={"namespace": namespace, LABEL_RESOURCE: NAME},
+                      scrape_interval="500ms")
     operator = OperatorProcess(k8s_cluster.kubeconfig, namespace, tmp_path / "operator.log", k8s_cluster.env,
                                extra_args=("--prometheus-url", prom.url, "--autoscale-interval", str(INTERVAL)))
     operator.start()

@@ -29,11 +29,12 @@ import pytest
 from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec
+from tandem.worker import metrics as m
 from tandem.worker.server.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-NAMESPACE, MODEL = "team-a", "tiny"
+NAMESPACE, MODEL, RESOURCE = "team-a", "tiny", "tiny-dm"
 
 
 class LocalStackSignals:
@@ -43,7 +44,7 @@ class LocalStackSignals:
         self.inner = inner
 
     def fetch(self, pool: str, sel: sig.Selector) -> sig.PoolSignals:
-        return self.inner.fetch(pool, sig.Selector(sel.namespace, sel.model, "local", role=pool))
+        return self.inner.fetch(pool, sig.Selector(sel.namespace, sel.resource, "local", role=pool))
 
 
 @pytest.fixture(scope="module")
@@ -92,12 +93,12 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     workers = [p for p in stack["processes"] if p["role"] in ("prefill", "decode")]
     assert {p["role"] for p in workers} == {"prefill", "decode"}, stack
     prom = prometheus([p["url"].removeprefix("http://") for p in workers],
-                      extra_labels={"namespace": NAMESPACE}, scrape_interval="500ms")
+                      extra_labels={"namespace": NAMESPACE, m.LABEL_RESOURCE: RESOURCE}, scrape_interval="500ms")
     source = LocalStackSignals(sig.PrometheusSignals(prom.url, timeout_s=3,
                                                      settings=sig.QuerySettings(rate_window="10s")))
-    prefill_sel = sig.Selector(NAMESPACE, MODEL, "prefill")
+    prefill_sel = sig.Selector(NAMESPACE, RESOURCE, "prefill")
     deadline = time.monotonic() + 30
-    decode_sel = sig.Selector(NAMESPACE, MODEL, "decode")
+    decode_sel = sig.Selector(NAMESPACE, RESOURCE, "decode")
     # Both workers' series must be in Prometheus (they are scraped independently).
     while (source.fetch("prefill", prefill_sel).get(sig.QUEUE_REQUESTS) is None
            or source.fetch("decode", decode_sel).get(sig.KV_USAGE) is None):
@@ -124,7 +125,7 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     reasons: dict[str, str] = {}
     try:
         while bench.poll() is None:
-            result = t.autoscale_tick(spec=spec(), status=None, namespace=NAMESPACE, counts=counts,
+            result = t.autoscale_tick(spec=spec(), status=None, namespace=NAMESPACE, name=RESOURCE, counts=counts,
                                       signals=source, clock=time.time)
             for pool, dec in result.decisions.items():
                 if dec.desired > scaled[pool]:
@@ -145,7 +146,7 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     # The burst is served: the queue empties and the KV cache is freed.
     deadline = time.monotonic() + 30
     while True:
-        after = {p: source.fetch(p, sig.Selector(NAMESPACE, MODEL, p)) for p in ("prefill", "decode")}
+        after = {p: source.fetch(p, sig.Selector(NAMESPACE, RESOURCE, p)) for p in ("prefill", "decode")}
         queue, kv = after["prefill"].get(sig.QUEUE_REQUESTS), after["decode"].get(sig.KV_USAGE)
         if queue == 0 and kv is not None and kv < 0.5:
             break

@@ -14,17 +14,17 @@ import pytest
 from tandem.operator import signals as s
 from tandem.worker import metrics as m
 
-SEL = s.Selector(namespace="team-a", model="llama-8b", pool="prefill")
+SEL = s.Selector(namespace="team-a", resource="llama-8b", pool="prefill")
 
 
 def test_prefill_queries_use_the_shared_metric_names_and_all_three_labels() -> None:
     q = s.pool_queries(s.PREFILL, SEL)
-    labels = '{namespace="team-a",model="llama-8b",pool="prefill"}'
+    labels = '{namespace="team-a",tandem_dev_model="llama-8b",pool="prefill"}'
     assert q[s.QUEUE_REQUESTS] == (f"sum({m.PREFILL_QUEUE_REQUESTS.name}{labels}) / "
                                    f"sum({m.WORKER_READY.name}{labels})")
     assert q[s.QUEUE_TOKENS].startswith(f"sum({m.PREFILL_QUEUE_TOKENS.name}{labels})")
     assert q[s.LATENCY_P] == (f'histogram_quantile(0.9, sum by (le) (rate({m.TTFT.name}_bucket'
-                              '{namespace="team-a",model="llama-8b",role=~"prefill|both"}[1m])))')
+                              '{namespace="team-a",tandem_dev_model="llama-8b",role=~"prefill|both"}[1m])))')
 
 
 def test_decode_queries_use_kv_usage_and_itl() -> None:
@@ -38,18 +38,18 @@ def test_decode_queries_use_kv_usage_and_itl() -> None:
 
 def test_an_optional_role_narrows_a_shared_pool_label() -> None:
     q = s.pool_queries(s.PREFILL, s.Selector("ns", "tiny", "local", role="prefill"))
-    assert '{namespace="ns",model="tiny",pool="local",role="prefill"}' in q[s.QUEUE_REQUESTS]
+    assert '{namespace="ns",tandem_dev_model="tiny",pool="local",role="prefill"}' in q[s.QUEUE_REQUESTS]
     assert 'role=~"prefill|both"' in q[s.LATENCY_P]
 
 
 def test_label_values_are_escaped() -> None:
     sel = s.Selector("ns", 'weird"model\\name', "prefill")
-    assert 'model="weird\\"model\\\\name"' in sel.matchers()
+    assert 'tandem_dev_model="weird\\"model\\\\name"' in sel.matchers()
 
 
 @pytest.mark.parametrize(("build", "message"), [
     (lambda: s.Selector("", "m", "prefill"), "namespace is empty"),
-    (lambda: s.Selector("ns", "", "prefill"), "model is empty"),
+    (lambda: s.Selector("ns", "", "prefill"), "resource is empty"),
     (lambda: s.Selector("ns", "m", "prefill", role=""), "role is empty"),
     (lambda: s.pool_queries("router", SEL), "unknown pool 'router'"),
     (lambda: s.QuerySettings(quantile=1.0), "quantile"),

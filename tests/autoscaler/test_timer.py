@@ -53,7 +53,7 @@ def tick(spec: DisaggregatedModelSpec, values: dict[str, dict[str, float]] = STE
          status: dict[str, Any] | None = None, counts: dict[str, t.PoolCounts] = READY,
          state: dict[str, Any] | None = None, now: float = T0,
          source: sig.SignalSource | None = None) -> t.TickResult:
-    return t.autoscale_tick(spec=spec, status=status, namespace="team-a", counts=counts,
+    return t.autoscale_tick(spec=spec, status=status, namespace="team-a", name="tiny", counts=counts,
                             signals=source or FixedSignals(values), clock=lambda: now, state=state)
 
 
@@ -73,7 +73,8 @@ def test_queue_above_target_scales_prefill_up_and_reports_it_everywhere() -> Non
     assert [(c.type, c.status, c.reason) for c in r.conditions] == [
         ("ScalingActive", "True", "ValidMetrics"), ("ScalingLimited", "False", "DesiredWithinRange")]
     assert {s.pool for s in source.selectors} == {"prefill", "decode"}
-    assert all((s.namespace, s.model) == ("team-a", "tiny-llama") for s in source.selectors)
+    # Keyed on the resource, not on the served model name (another resource may serve it too).
+    assert all((s.namespace, s.resource) == ("team-a", "tiny") for s in source.selectors)
 
 
 def test_kv_pressure_scales_decode_and_the_ratio_band_follows() -> None:
@@ -205,7 +206,7 @@ def test_ratio_band_from_spec(ratio: dict[str, float], band: tuple[float | None,
 def test_an_externally_scaled_pool_is_left_to_its_owner_and_held_fixed_by_the_band() -> None:
     spec = make_spec(decode={"mode": "external"}, ratio={"maxPrefillPerDecode": 1})
     source = FixedSignals({"prefill": {sig.QUEUE_REQUESTS: 40.0}, "decode": {sig.KV_USAGE: 0.99}})
-    r = t.autoscale_tick(spec=spec, status={"decode": {"desiredReplicas": 9}}, namespace="team-a", counts=READY,
+    r = t.autoscale_tick(spec=spec, status={"decode": {"desiredReplicas": 9}}, namespace="team-a", name="tiny", counts=READY,
                          signals=source, clock=lambda: T0, external={"decode": 3})
     assert set(r.desired) == {"prefill"}, "Tandem's autoscaler never writes a pool an external scaler owns"
     assert [sel.pool for sel in source.selectors] == ["prefill"], "and does not query its signals"

@@ -31,7 +31,7 @@ def spec() -> DisaggregatedModelSpec:
 
 
 def conditions(source: sig.SignalSource) -> dict[str, t.ConditionValue]:
-    result = t.autoscale_tick(spec=spec(), status=None, namespace="ns", counts=READY, signals=source,
+    result = t.autoscale_tick(spec=spec(), status=None, namespace="ns", name="tiny", counts=READY, signals=source,
                               clock=lambda: T0)
     return {c.type: c for c in result.conditions}
 
