@@ -191,7 +191,7 @@ def grace_period(args: list[str], drain_default: int, before_drain: int = 0) -> 
     SIGKILL never cuts a drain short (an unreadable --drain-timeout fails the container anyway)."""
     try:
         drain = math.ceil(float(flag_value(args, "--drain-timeout") or drain_default))
-    except ValueError:
+    except (ValueError, OverflowError):  # not a number, or inf
         drain = drain_default
     return before_drain + max(drain, 0) + SHUTDOWN_MARGIN_S
 

@@ -265,7 +265,7 @@ def test_router_is_ready_only_with_usable_workers_and_drains_before_it_is_killed
 
 
 @pytest.mark.parametrize(("extra", "drain"), [([], 60), (["--drain-timeout", "300"], 300),
-                                              (["--drain-timeout=12.5"], 13)])
+                                              (["--drain-timeout=12.5"], 13), (["--drain-timeout", "inf"], 60)])
 def test_worker_grace_period_outlasts_its_drain_timeout(extra: list[str], drain: int) -> None:
     for pool in ("prefill", "decode"):
         deployment = worker(spec_of(**{pool: {"args": extra}}), pool)
