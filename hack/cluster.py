@@ -1,12 +1,15 @@
 """A local Kubernetes control plane with fake GPU node pools, for tests and demos.
 
-    hack/cluster.sh up   [--state DIR] [--nodes FILE]   build (or reuse) binaries, start, register nodes
+    hack/cluster.sh up   [--state DIR] [--nodes FILE] [--real-node]   build (or reuse) binaries, start, register nodes
     hack/cluster.sh down [--state DIR]                  stop every process it started, remove its state
     hack/cluster.sh env  [--state DIR]                  print `export KUBECONFIG=... PATH=...`
+    hack/cluster.sh leftovers [--state DIR]             list what a real node left on this machine (exit 1 if any)
 
 Real etcd, kube-apiserver (RBAC on), kube-controller-manager and kube-scheduler, all on
 127.0.0.1 with free ports and locally generated certificates; kwok plays the kubelets, so
 pods scheduled on the fake GPU nodes become Running and Ready without containers.
+With --real-node, one more node runs real containers (hack/real_node.py); the apiserver then
+listens on that node's IP instead of 127.0.0.1, so that pods reach it.
 Standard library only, so it runs before any Python package is installed.
 """
 
@@ -29,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import contextlib
 
 import k8s_build
+import real_node
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_NODES_FILE = HERE / "cluster-nodes.json"
@@ -65,14 +69,14 @@ def _openssl(*args: str, cwd: Path) -> None:
         raise SystemExit(f"openssl {' '.join(args)} failed:\n{proc.stderr}")
 
 
-def make_pki(pki: Path) -> None:
+def make_pki(pki: Path, api_ip: str = "127.0.0.1") -> None:
     """CA, apiserver serving cert, admin client cert (system:masters), service-account key pair."""
     if shutil.which("openssl") is None:
         raise SystemExit("openssl is needed to generate the control plane's certificates")
     pki.mkdir(parents=True, exist_ok=True)
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt",
              "-days", "30", "-subj", "/CN=tandem-local-ca", cwd=pki)
-    sans = ("subjectAltName=IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+    sans = (f"subjectAltName=IP:127.0.0.1,IP:{api_ip},IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
             "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local")
     for name, subj, ext in [
         ("apiserver", "/CN=kube-apiserver", sans),
@@ -193,28 +197,40 @@ def node_manifests(pools: list[dict]) -> list[dict]:  # type: ignore[type-arg]
 
 # --- commands -----------------------------------------------------------------------------
 
-def up(state: Path, nodes_file: Path) -> None:
+def up(state: Path, nodes_file: Path, with_real_node: bool = False) -> None:
     t0 = time.monotonic()
+    if with_real_node:
+        real_node.check_prerequisites()
     bins = k8s_build.build()
     if (state / "pids.json").exists():
         raise SystemExit(f"a cluster already runs from {state}; run `hack/cluster.sh down` first")
+    if with_real_node and (owner := real_node.owner_of_running_node()):
+        raise SystemExit(f"a real node already runs on this machine (state {owner}); "
+                         f"run `hack/cluster.sh down --state {owner}` first")
     state.mkdir(parents=True, exist_ok=True)
     pki = state / "pki"
-    make_pki(pki)
+    api_ip = real_node.NODE_IP if with_real_node else "127.0.0.1"
+    make_pki(pki, api_ip)
     sup = Supervisor(state)
     try:
-        _start(sup, bins, state, pki, nodes_file)
+        if with_real_node:
+            # Before the apiserver: it listens on the node IP, which lives on the node's bridge.
+            real_node.record_baseline(real_node.Paths(state))
+            real_node.setup_network(state)
+        _start(sup, bins, state, pki, nodes_file, api_ip)
+        if with_real_node:
+            real_node.start(sup, bins, state, pki, state / "kubeconfig", free_port, wait_for, kubectl)
     except RuntimeError as exc:
-        down(state)
+        down(state, check_leftovers=False)
         raise SystemExit(f"cluster up failed: {exc}") from None
     except BaseException:
-        down(state)
+        down(state, check_leftovers=False)
         raise
     log(f"control plane up in {time.monotonic() - t0:.1f}s; state in {state}")
     print(env_lines(state))
 
 
-def _start(sup: Supervisor, bins: Path, state: Path, pki: Path, nodes_file: Path) -> None:
+def _start(sup: Supervisor, bins: Path, state: Path, pki: Path, nodes_file: Path, api_ip: str) -> None:
     etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
     sup.start("etcd", [
@@ -227,17 +243,22 @@ def _start(sup: Supervisor, bins: Path, state: Path, pki: Path, nodes_file: Path
     ])
     wait_for("etcd", lambda: urllib.request.urlopen(f"{etcd_url}/health", timeout=2).status == 200, sup)
 
-    server = f"https://127.0.0.1:{api_port}"
+    server = f"https://{api_ip}:{api_port}"
+    # On 127.0.0.1 the apiserver cannot publish itself as the `kubernetes` Service's endpoint (a
+    # loopback address), and nothing needs it to; with a real node, pods reach it through that
+    # Service, so the default endpoint reconciler runs and the kubelet's address settings apply.
+    node_args = (real_node.apiserver_args(pki) if api_ip != "127.0.0.1"
+                 else ["--endpoint-reconciler-type=none"])
     sup.start("kube-apiserver", [
         str(bins / "kube-apiserver"), f"--etcd-servers={etcd_url}",
-        "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1", f"--secure-port={api_port}",
+        f"--bind-address={api_ip}", f"--advertise-address={api_ip}", f"--secure-port={api_port}",
         f"--tls-cert-file={pki / 'apiserver.crt'}", f"--tls-private-key-file={pki / 'apiserver.key'}",
         f"--client-ca-file={pki / 'ca.crt'}",
         f"--service-account-key-file={pki / 'sa.pub'}",
         f"--service-account-signing-key-file={pki / 'sa.key'}",
         "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
         "--authorization-mode=RBAC", "--service-cluster-ip-range=10.96.0.0/16",
-        "--allow-privileged=true", "--endpoint-reconciler-type=none",
+        "--allow-privileged=true", *node_args,
     ])
     wait_for("kube-apiserver /readyz", lambda: https_ok(f"{server}/readyz", pki), sup)
     kubeconfig = state / "kubeconfig"
@@ -279,15 +300,26 @@ def _start(sup: Supervisor, bins: Path, state: Path, pki: Path, nodes_file: Path
              lambda: bool(kubectl(bins, kubeconfig, "get", "serviceaccount", "default", "-o", "name")), sup)
 
 
-def down(state: Path) -> None:
+def down(state: Path, check_leftovers: bool = True) -> None:
     pids_file = state / "pids.json"
     pids: dict[str, int] = json.loads(pids_file.read_text()) if pids_file.exists() else {}
+    count = len(pids)
+    has_real_node = (state / "node").exists() or real_node.owner_of_running_node() == str(state)
+    left: list[str] = []
+    if has_real_node:
+        # First, while the apiserver still runs: the kubelet, its containers, containerd.
+        real_node.stop(state, pids, _stop_pid)
     # Reverse start order: kwok and the controllers first, etcd last.
     for name, pid in reversed(list(pids.items())):
         _stop_pid(name, pid)
+    if has_real_node:
+        real_node.unmount_all([str(state)])
+        left = real_node.leftovers(state)  # before the baseline it compares with is removed
     if state.exists():
         shutil.rmtree(state, ignore_errors=True)
-    log(f"stopped {len(pids)} processes; removed {state}")
+    log(f"stopped {count} processes; removed {state}")
+    if left and check_leftovers:
+        raise SystemExit("down left these behind:\n  " + "\n  ".join(left))
 
 
 def _stop_pid(name: str, pid: int) -> None:
@@ -321,16 +353,22 @@ def env_lines(state: Path) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="hack/cluster.sh", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["up", "down", "env", "build"])
+    parser.add_argument("command", choices=["up", "down", "env", "build", "leftovers"])
     parser.add_argument("--state", type=Path, default=None, help="state folder (default: %(default)s)")
     parser.add_argument("--nodes", type=Path, default=DEFAULT_NODES_FILE,
                         help="JSON file describing the fake GPU pools")
+    parser.add_argument("--real-node", action="store_true",
+                        help="up: also start a node that runs real containers (root; see hack/real_node.py)")
     args = parser.parse_args(argv)
     state = (args.state or default_state_dir()).resolve()
     if args.command == "build":
         print(k8s_build.build())
     elif args.command == "up":
-        up(state, args.nodes)
+        up(state, args.nodes, args.real_node)
+    elif args.command == "leftovers":
+        left = real_node.leftovers(state)
+        print("\n".join(left) if left else "nothing left behind")
+        sys.exit(1 if left else 0)
     elif args.command == "down":
         down(state)
     else:

@@ -31,6 +31,10 @@ K8S_PACKAGES = {
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     # etcd at the version this Kubernetes release itself requires (go.etcd.io/etcd/server/v3).
     "etcd": "go.etcd.io/etcd/server/v3",
+    # The real node of `hack/cluster.sh up --real-node`: a kubelet that runs containers through
+    # containerd, and kube-proxy so that pods reach Services (the apiserver's among them).
+    "kubelet": "k8s.io/kubernetes/cmd/kubelet",
+    "kube-proxy": "k8s.io/kubernetes/cmd/kube-proxy",
 }
 # binary name -> module@version, built with that module's own go.mod (go install).
 STANDALONE = {

@@ -1,0 +1,306 @@
+"""Build Tandem's images locally and load them into the real node's containerd. No registry needed.
+
+    python3 hack/images.py build [--only worker|operator]   base, wheels, then the images (buildah)
+    python3 hack/images.py load --state DIR                  import what changed into the node
+    python3 hack/images.py all --state DIR                   both
+
+The images come from the project's own docker/*.Dockerfile, with build arguments that swap the
+published bases (CUDA, python:3.11-slim, ghcr's uv) for local ones:
+- a Debian 12 root file system made with mmdebstrap, with Debian's Python 3.11 (the base);
+- an image holding the uv binary from the uv wheel on PyPI (the Dockerfile copies /uv from it);
+- a folder of wheels (`pip download`, served from pip's cache when the venv already has them)
+  mounted into the build at /wheels, so that the build is offline and torch is not fetched again.
+Everything is cached in ~/.cache/tandem/images: the base tarball, the wheels, buildah's store.
+The Dockerfiles install dependencies before copying the source, so a code change rebuilds only
+the last small layers; `load` then hands containerd only the blobs it lacks, and skips an image
+whose ID it already has. The images are tagged tandem/worker:dev and tandem/operator:dev
+(docker.io/tandem/...:dev to containerd, which is what a pod's `image: tandem/worker:dev` means).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import time
+import tomllib
+import zipfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+import k8s_build  # noqa: E402
+import real_node  # noqa: E402
+
+DEBIAN_SUITE = "bookworm"
+# The base: Python 3.11 from Debian, the venv module (the operator image), and CA certificates.
+BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
+IMAGES = {
+    # name -> (Dockerfile, local tag, build arguments beyond the common ones)
+    "worker": ("docker/worker.Dockerfile", "tandem/worker:dev",
+               {"PYTHON_FROM": "system", "RDMA": "0", "UV_INSTALL_ARGS": "--no-index --find-links /wheels"}),
+    "operator": ("docker/operator.Dockerfile", "tandem/operator:dev",
+                 {"PIP_INSTALL_ARGS": "--no-index --find-links /wheels"}),
+}
+# setuptools and wheel: the build backend pyproject.toml names, installed offline from /wheels too.
+BUILD_BACKEND = ["setuptools>=77", "wheel"]
+
+
+def log(msg: str, t0: float = time.monotonic()) -> None:
+    print(f"[images {time.monotonic() - t0:6.0f}s] {msg}", file=sys.stderr, flush=True)
+
+
+def run(*argv: str, capture: bool = True, input: bytes | None = None) -> str:
+    proc = subprocess.run(list(argv), capture_output=capture, input=input)
+    if proc.returncode != 0:
+        err = proc.stderr.decode(errors="replace")[-4000:] if capture else ""
+        raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{err}")
+    return proc.stdout.decode(errors="replace") if capture else ""
+
+
+def cache_dir() -> Path:
+    return k8s_build.cache_root() / "images"
+
+
+def key(*parts: object) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+# --- buildah, with its store in our cache folder -------------------------------------------
+
+def buildah(*args: str, capture: bool = True) -> str:
+    store = cache_dir() / "buildah"
+    return run("buildah", f"--root={store / 'root'}", f"--runroot={store / 'run'}",
+               "--storage-driver=overlay", *args, capture=capture)
+
+
+def image_id(tag: str) -> str | None:
+    try:
+        return buildah("images", "--noheading", "--no-trunc", "--format", "{{.ID}}", tag).strip() or None
+    except SystemExit:  # no such image
+        return None
+
+
+# --- the base image ----------------------------------------------------------------------
+
+def base_tag() -> str:
+    return f"localhost/tandem-base:{DEBIAN_SUITE}-{key(DEBIAN_SUITE, BASE_PACKAGES)}"
+
+
+def build_base() -> str:
+    """Debian with Python from Debian's own packages, made with mmdebstrap (no registry)."""
+    tag = base_tag()
+    if image_id(tag):
+        return tag
+    rootfs = cache_dir() / f"{tag.split(':')[1]}.tar"
+    if not rootfs.exists():
+        log(f"mmdebstrap {DEBIAN_SUITE} with {', '.join(BASE_PACKAGES)}")
+        run("mmdebstrap", "--variant=minbase", f"--include={','.join(BASE_PACKAGES)}",
+            # No documentation in an image; keep the licences.
+            "--dpkgopt=path-exclude=/usr/share/doc/*", "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+            "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/locale/*",
+            "--aptopt=Acquire::Languages \"none\"",
+            "--customize-hook=rm -rf \"$1\"/var/lib/apt/lists/* \"$1\"/var/cache/apt/*",
+            DEBIAN_SUITE, str(rootfs.with_suffix(".tmp.tar")))
+        os.replace(rootfs.with_suffix(".tmp.tar"), rootfs)
+    container = buildah("from", "scratch").strip()
+    try:
+        buildah("add", container, str(rootfs), "/")
+        buildah("config", "--env", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                "--env", "LANG=C.UTF-8", "--cmd", "/bin/bash", container)
+        buildah("commit", "--quiet", container, tag)
+    finally:
+        buildah("rm", container)
+    log(f"base image {tag}")
+    return tag
+
+
+# --- wheels ------------------------------------------------------------------------------
+
+def uv_version() -> str:
+    """The uv the published build uses: the tag of the Dockerfile's UV_IMAGE default."""
+    text = (REPO / "docker" / "worker.Dockerfile").read_text()
+    m = re.search(r"^ARG UV_IMAGE=\S+:(\S+)$", text, re.M)
+    if not m:
+        raise SystemExit("cannot find `ARG UV_IMAGE=...:VERSION` in docker/worker.Dockerfile")
+    return m.group(1)
+
+
+def requirements() -> list[str]:
+    """Runtime dependencies of the worker and operator images, from pyproject.toml."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    return [*project["dependencies"], *extras["worker"], *extras["operator"]]
+
+
+def wheels_dir() -> Path:
+    lock = (REPO / "requirements-lock.txt").read_bytes()
+    return cache_dir() / f"wheels-{key(requirements(), lock.decode(), uv_version(), BUILD_BACKEND)}"
+
+
+def download_wheels() -> Path:
+    """pip download into a folder keyed by what it holds; pip's cache serves what the venv already
+    downloaded (torch and its CUDA libraries: gigabytes), so this is mostly a local copy."""
+    out = wheels_dir()
+    if (out / ".complete").exists():
+        return out
+    tmp = out.with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "requirements.txt").write_text("\n".join(requirements() + BUILD_BACKEND) + "\n")
+    log(f"pip download into {out.name} (from pip's cache where it can)")
+    pip = [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+           "--only-binary=:all:", "--dest", str(tmp)]
+    run(*pip, "-c", str(REPO / "requirements-lock.txt"), "-r", str(tmp / "requirements.txt"), capture=False)
+    run(*pip, "--no-deps", f"uv=={uv_version()}", capture=False)
+    (tmp / ".complete").write_text("")
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def build_uv_image(wheels: Path) -> str:
+    """An image with /uv, as ghcr.io/astral-sh/uv has, taken from the uv wheel on PyPI."""
+    tag = f"localhost/tandem-uv:{uv_version()}"
+    if image_id(tag):
+        return tag
+    wheel = next(wheels.glob(f"uv-{uv_version()}-*.whl"))
+    binary = cache_dir() / "uv"
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith("/scripts/uv"))
+        binary.write_bytes(zf.read(member))
+    binary.chmod(0o755)
+    container = buildah("from", "scratch").strip()
+    try:
+        buildah("copy", "--chmod=0755", container, str(binary), "/uv")
+        buildah("commit", "--quiet", container, tag)
+    finally:
+        buildah("rm", container)
+    return tag
+
+
+# --- the images --------------------------------------------------------------------------
+
+def build_image(name: str, base: str, uv_image: str, wheels: Path) -> str:
+    dockerfile, tag, extra_args = IMAGES[name]
+    args = {"BASE_IMAGE": base, "PYTHON_IMAGE": base, "UV_IMAGE": uv_image, **extra_args}
+    t0 = time.monotonic()
+    buildah("build", "--layers", "--network=none", f"--volume={wheels}:/wheels:ro",
+            f"--ignorefile={REPO / (dockerfile + '.dockerignore')}", "-f", str(REPO / dockerfile),
+            *[f"--build-arg={k}={v}" for k, v in args.items() if k in (REPO / dockerfile).read_text()],
+            "-t", tag, str(REPO), capture=False)
+    log(f"{tag} built in {time.monotonic() - t0:.0f}s: {image_size(tag)}")
+    return tag
+
+
+def image_size(tag: str) -> str:
+    return buildah("images", "--noheading", "--format", "{{.Size}}", tag).strip()
+
+
+def build(only: list[str]) -> None:
+    base = build_base()
+    wheels = download_wheels()
+    uv_image = build_uv_image(wheels)
+    for name in only:
+        build_image(name, base, uv_image, wheels)
+
+
+# --- loading into containerd --------------------------------------------------------------
+
+def containerd_name(tag: str) -> str:
+    return f"docker.io/{tag}"
+
+
+def export_oci(tag: str) -> tuple[Path, dict]:  # type: ignore[type-arg]
+    """Push to an OCI layout in the cache, uncompressed (gzip of gigabytes costs minutes on two
+    cores and gains nothing on one machine). Blobs it already holds are not written again."""
+    layout = cache_dir() / "oci"
+    buildah("push", "--quiet", "--disable-compression", tag, f"oci:{layout}:{tag}")
+    index = json.loads((layout / "index.json").read_text())
+    entry = next(m for m in index["manifests"]
+                 if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag)
+    return layout, entry
+
+
+def blob_path(layout: Path, digest: str) -> Path:
+    algo, hexdigest = digest.split(":")
+    return layout / "blobs" / algo / hexdigest
+
+
+def import_into_containerd(paths: real_node.Paths, layout: Path, entry: dict, name: str,  # type: ignore[type-arg]
+                           have: set[str]) -> int:
+    """Stream an OCI archive into `ctr images import` with only the blobs containerd lacks: the
+    importer takes the rest from its content store (a code change moves megabytes, not gigabytes).
+    Returns the bytes of blobs sent."""
+    manifest = json.loads(blob_path(layout, entry["digest"]).read_text())
+    blobs = [entry["digest"], manifest["config"]["digest"], *[layer["digest"] for layer in manifest["layers"]]]
+    index = {"schemaVersion": 2, "manifests": [dict(entry, annotations={"io.containerd.image.name": name})]}
+    sent = 0
+    proc = subprocess.Popen(["ctr", "--address", str(paths.socket), "-n", real_node.K8S_NAMESPACE,
+                             "images", "import", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert proc.stdin is not None
+    with tarfile.open(fileobj=proc.stdin, mode="w|") as tar:
+        for arcname, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
+                              ("index.json", json.dumps(index).encode())]:
+            info = tarfile.TarInfo(arcname)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for digest in blobs:
+            if digest not in have:
+                tar.add(blob_path(layout, digest), arcname=f"blobs/{digest.replace(':', '/')}")
+                sent += blob_path(layout, digest).stat().st_size
+    proc.stdin.close()
+    if proc.wait() != 0:
+        raise SystemExit(f"ctr images import of {name} failed (exit {proc.returncode})")
+    return sent
+
+
+def load(state: Path, only: list[str]) -> None:
+    paths = real_node.Paths(state)
+    if not paths.socket.exists():
+        raise SystemExit(f"no real node runs from {state} (no {paths.socket}); "
+                         "run `hack/cluster.sh up --real-node` first")
+    for name in only:
+        tag = IMAGES[name][1]
+        t0 = time.monotonic()
+        layout, entry = export_oci(tag)
+        target = containerd_name(tag)
+        current = real_node.ctr(paths, "images", "ls", f"name=={target}").stdout.decode()
+        if entry["digest"] in current:
+            log(f"{target} unchanged ({entry['digest'][:19]}): not imported again")
+            continue
+        have = set(real_node.ctr(paths, "content", "ls", "-q").stdout.decode().split())
+        sent = import_into_containerd(paths, layout, entry, target, have)
+        log(f"{target} imported in {time.monotonic() - t0:.0f}s ({sent / 2**20:.0f} MiB of new blobs)")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hack/images.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["build", "load", "all"])
+    parser.add_argument("--only", choices=sorted(IMAGES), action="append", help="default: every image")
+    parser.add_argument("--state", type=Path, help="the cluster's state folder (load)")
+    args = parser.parse_args(argv)
+    only = args.only or list(IMAGES)
+    if args.command in ("build", "all"):
+        for tool in ("buildah", "mmdebstrap"):
+            if shutil.which(tool) is None:
+                raise SystemExit(f"`{tool}` is missing: apt-get install buildah mmdebstrap")
+        build(only)
+    if args.command in ("load", "all"):
+        if args.state is None:
+            parser.error("load needs --state (the folder `hack/cluster.sh up --real-node` runs from)")
+        load(args.state.resolve(), only)
+
+
+if __name__ == "__main__":
+    main()
