@@ -9,6 +9,6 @@ rm -rf .gpu-wheels
 .venv/bin/pip download --quiet --dest .gpu-wheels --only-binary=:all: --implementation cp --python-version 3.12 \
   --abi cp312 --abi abi3 --abi none --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux_2_17_x86_64 --platform any \
-  "pydantic==2.14.4" "pyzmq==27.3.0" "fastapi==0.165.0" "uvicorn==0.54.0" "pytest-timeout==2.4.0"
+  -c requirements-lock.txt pydantic pyzmq fastapi uvicorn pytest-timeout
 du -sh .gpu-wheels
 ls .gpu-wheels

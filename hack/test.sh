@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Install everything the tests need, then run lint, type checks and the whole test suite.
+# Install everything the tests need, then run lint, type checks, the user's install checks and the
+# whole test suite.
 #   hack/test.sh [pytest args]
+# The install checks (hack/install_check.py) run the README's first command in a copy of this
+# checkout on Python 3.11, and build the wheel and serve from it in a clean Python 3.13 venv;
+# TANDEM_SKIP_INSTALL_CHECKS=1 skips them (for quick local runs; CI never sets it).
 # Installs: Debian's prometheus (when missing; needs root or sudo), the Python packages into .venv,
 # and the local control plane's binaries (built from pinned Go modules on first use, then reused
 # from ~/.cache/tandem).
@@ -21,5 +25,13 @@ echo "test: setup done after ${SECONDS}s; ruff" >&2
 .venv/bin/ruff check .
 echo "test: mypy" >&2
 hack/typecheck.sh
+if [ "${TANDEM_SKIP_INSTALL_CHECKS:-0}" != 1 ]; then
+  echo "test: the README's first command, as a user runs it (after ${SECONDS}s)" >&2
+  .venv/bin/python hack/install_check.py quickstart --python "${TANDEM_QUICKSTART_PYTHON:-python3.11}"
+  echo "test: the wheel, installed into a clean environment (after ${SECONDS}s)" >&2
+  .venv/bin/python hack/install_check.py wheel --python "${TANDEM_WHEEL_PYTHON:-python3.13}"
+else
+  echo "test: TANDEM_SKIP_INSTALL_CHECKS=1: the quickstart and wheel checks are skipped" >&2
+fi
 echo "test: pytest (after ${SECONDS}s)" >&2
 exec .venv/bin/pytest "$@"
