@@ -64,6 +64,18 @@ def user_env(home: Path) -> dict[str, str]:
     return env
 
 
+def resolve_python(name: str) -> str:
+    """`name` if it runs; else a pyenv build of it (pyenv's shim for a version that is not the
+    global one answers 'command not found')."""
+    if subprocess.run([name, "--version"], capture_output=True).returncode == 0:
+        return name
+    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv"))
+    for candidate in sorted(root.glob(f"versions/*/bin/{Path(name).name}"), reverse=True):
+        if subprocess.run([str(candidate), "--version"], capture_output=True).returncode == 0:
+            return str(candidate)
+    raise CheckFailed(f"no working {name} here (tried PATH and pyenv's versions)")
+
+
 def run(cmd: list[str], cwd: Path, env: dict[str, str] | None = None, timeout: float = 1800) -> str:
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
@@ -175,7 +187,7 @@ def check_quickstart(python: str | None, work: Path) -> None:
     copy_checkout(tree)
     env = user_env(work)
     if python:
-        env["PYTHON"] = python
+        env["PYTHON"] = resolve_python(python)
     port = free_port()
     say(f"hack/quickstart.sh --port {port} in {tree} (python: {python or 'the script picks'})")
     exercise(["hack/quickstart.sh", "--port", str(port)], tree, env, port, work / "quickstart.log")
@@ -200,7 +212,7 @@ def check_wheel(python: str, work: Path) -> None:
     venv = work / "venv"
     env = user_env(work)
     t0 = time.monotonic()
-    run([python, "-m", "venv", str(venv)], cwd=work, env=env)
+    run([resolve_python(python), "-m", "venv", str(venv)], cwd=work, env=env)
     run([str(venv / "bin/pip"), "install", "--quiet", "--disable-pip-version-check", "-c",
          str(tree / "requirements-lock.txt"), f"{wheels[0]}[worker]"], cwd=work, env=env)
     say(f"installed {wheels[0].name}[worker] into a clean {python} venv in {time.monotonic() - t0:.0f} s")
