@@ -69,14 +69,14 @@ def test_filters_keep_only_allowed_tokens() -> None:
         (SamplingParams(), {0, 1, 2, 3, 4}),
     ]
     for params, allowed in cases:
-        seen = {sample(logits, [params], [None], gen)[0][0] for _ in range(400)}
+        seen = {sample(logits, [params], [None], gen).tokens[0] for _ in range(400)}
         assert seen == allowed, params
 
 
 def test_logprobs_are_the_models_log_softmax() -> None:
     logits = torch.tensor([[2.0, 1.0, 0.5], [0.0, 3.0, 1.0]])
-    tokens, logprobs = sample(logits, [SamplingParams(temperature=0, logprobs=True)] * 2, [None, None],
-                              torch.Generator())
+    sampled = sample(logits, [SamplingParams(temperature=0, logprobs=True)] * 2, [None, None], torch.Generator())
+    tokens, logprobs = sampled.tokens, sampled.logprobs
     assert tokens == [0, 1]
     assert logprobs is not None
     expected = torch.log_softmax(logits, dim=-1)

@@ -24,7 +24,7 @@ from .detokenizer import OutputText
 from .kv_budget import free_memory_bytes, kv_budget_bytes
 from .outputs import EngineStats, LayerWrite, RequestOutput
 from .runner import ModelRunner
-from .sampler import sample, skip_draws
+from .sampler import DRAW_FAILED, Sampled, sample, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -132,19 +132,64 @@ class LLMEngine:
                 seq.block_table, seq.block_hashes, seq.token_ids, seq.num_computed_tokens, seq.num_registered_blocks)
         if not to_sample:
             return outputs
-        tokens, logprobs = sample(logits, [s.params for s in to_sample], [s.generator for s in to_sample],
-                                  self._default_generator)
-        for i, (seq, token) in enumerate(zip(to_sample, tokens, strict=True)):
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
-            lp = [logprobs[i]] if logprobs is not None and seq.params.logprobs else None
-            if self.config.role == "prefill":  # even when the first token ends it: its KV may be in flight
-                outputs.append(self._hand_over(seq, token, lp, reason or "prefilled"))
-                continue
-            if reason is not None:
-                self._finish(seq, reason)
-            outputs.append(self._output(seq, [token], lp))
+        sampled = self._sample(logits, to_sample)
+        for i, seq in enumerate(to_sample):
+            error = sampled.errors.get(i)
+            if error is None:
+                try:
+                    outputs.append(self._advance(seq, sampled, i))
+                    continue
+                except Exception:  # this request's own bookkeeping (stop strings, detokenizing): fail it alone
+                    log.exception("request %s: handling its new token failed", seq.request_id)
+                    error = "handling this request's new token failed"
+            outputs.append(self._fail(seq, error))
         return outputs
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+        """Sample every row at once; if that raises (one request's settings tripping something the
+        checks did not foresee), sample row by row so the failure stays with the row that causes it."""
+        params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        try:
+            return sample(logits, params, generators, self._default_generator)
+        except Exception:
+            log.exception("sampling a batch of %d failed; sampling its requests one by one", len(seqs))
+        merged = Sampled([0] * len(seqs), [0.0] * len(seqs) if any(p.logprobs for p in params) else None)
+        for i in range(len(seqs)):
+            try:
+                one = sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1], self._default_generator)
+            except Exception:
+                log.exception("request %s: sampling failed", seqs[i].request_id)
+                merged.errors[i] = DRAW_FAILED
+                continue
+            merged.tokens[i] = one.tokens[0]
+            if merged.logprobs is not None and one.logprobs is not None:
+                merged.logprobs[i] = one.logprobs[0]
+            if 0 in one.errors:
+                merged.errors[i] = one.errors[0]
+        return merged
+
+    def _advance(self, seq: Sequence, sampled: Sampled, row: int) -> RequestOutput:
+        """Append a request's newly sampled token; its output (a hand-over on the prefill role)."""
+        token = sampled.tokens[row]
+        seq.token_ids.append(token)
+        reason = self._stop_reason(seq, token)
+        lp = [sampled.logprobs[row]] if sampled.logprobs is not None and seq.params.logprobs else None
+        if self.config.role == "prefill":  # even when the first token ends it: its KV may be in flight
+            return self._hand_over(seq, token, lp, reason or "prefilled")
+        if reason is not None:
+            self._finish(seq, reason)
+        return self._output(seq, [token], lp)
+
+    def _fail(self, seq: Sequence, error: str) -> RequestOutput:
+        """End one request with an error (its blocks freed); the rest of the batch goes on."""
+        log.warning("request %s failed: %s", seq.request_id, error)
+        if seq.status is Status.FINISHED:  # it failed after finishing (its blocks are freed or held already)
+            seq.finish_reason = "error"
+        else:
+            self._finish(seq, "error")
+        out = self._output(seq, [], None)
+        out.error = error
+        return out
 
     def iter_outputs(self) -> Iterator[RequestOutput]:
         """Step until every request has finished, yielding outputs as they come.
@@ -278,8 +323,11 @@ class LLMEngine:
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
                       arrival_time: float | None, sampled_before: int = 0) -> Sequence:
-        if sampled_before < 0:
-            raise ValueError(f"request {request_id!r}: sampled_before must be >= 0, got {sampled_before}")
+        # Tokens sampled before end the prompt, so the prompt bounds them: each costs a draw below, on
+        # the engine thread, which an unbounded count would hold for as long as it likes.
+        if not 0 <= sampled_before <= len(prompt):
+            raise ValueError(f"request {request_id!r}: sampled_before must be in [0, {len(prompt)}] (the prompt's "
+                             f"length), got {sampled_before}")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)

@@ -11,12 +11,15 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled"
+    finish_reason: str | None  # "stop" | "length" | "abort" | "prefilled" | "error"
     logprobs: list[float] | None  # one per new token, when SamplingParams.logprobs
     num_prompt_tokens: int
     num_output_tokens: int
     kv_block_ids: list[int] | None = None  # prefill role: the request's blocks, in order
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed in a layer callback)
+    # With finish_reason "error": why this request failed alone (its sampling, NaN logits...); a message
+    # for its client. The other requests of the step were not affected.
+    error: str | None = None
 
 
 @dataclass

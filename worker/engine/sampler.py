@@ -2,34 +2,73 @@
 
 Filtering runs batched; the final draw is per row, from the request's own generator when it
 has a seed, so a seeded request samples the same tokens whatever it is batched with.
+
+A row that cannot be sampled (NaN logits, a distribution with no finite mass) fails alone: its
+request gets an error, every other row its token. Rows never mix in these operations, so one bad
+row cannot spoil another's numbers.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from .sampling_params import SamplingParams
 
+log = logging.getLogger(__name__)
+
+NAN_LOGITS = "the model's output for this request is not a number (NaN or infinite logits)"
+NO_DISTRIBUTION = "this request's sampling settings leave no valid distribution to sample from"
+DRAW_FAILED = "sampling this request's next token failed"
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]  # one per row; meaningless where the row failed
+    logprobs: list[float] | None  # when any request wants them
+    errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
+
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None], default_generator: torch.Generator
-           ) -> tuple[list[int], list[float] | None]:
-    """logits: float32 [num_seqs, vocab]. Returns the chosen tokens and, if any request wants them,
-    the log-probability of each chosen token under the model's (unscaled) distribution."""
+           generators: Sequence[torch.Generator | None], default_generator: torch.Generator) -> Sampled:
+    """logits: float32 [num_seqs, vocab]. The chosen tokens and, if any request wants them, the
+    log-probability of each chosen token under the model's (unscaled) distribution."""
     tokens = torch.argmax(logits, dim=-1)
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    errors = {i: NAN_LOGITS for i in bad_logit_rows(logits)}
+    random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in errors]
     if random_rows:
         probs = _filtered_probs(logits[random_rows], [params[i] for i in random_rows])
+        errors |= {random_rows[row]: NO_DISTRIBUTION for row in bad_prob_rows(probs)}
         for row, i in enumerate(random_rows):
-            generator = generators[i] or default_generator
-            tokens[i] = torch.multinomial(probs[row], 1, generator=generator)[0]
+            if i in errors:
+                continue
+            try:
+                tokens[i] = torch.multinomial(probs[row], 1, generator=generators[i] or default_generator)[0]
+            except RuntimeError:  # not expected after the checks above; still this row's alone
+                log.exception("sampling row %d failed", i)
+                errors[i] = DRAW_FAILED
     chosen = tokens.tolist()
     if not any(p.logprobs for p in params):
-        return chosen, None
+        return Sampled(chosen, None, errors)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return chosen, logprobs.tolist()
+    return Sampled(chosen, logprobs.tolist(), errors)
+
+
+def bad_logit_rows(logits: torch.Tensor) -> list[int]:
+    """Rows with a NaN or +inf logit: the model's numbers broke down (-inf is a masked token, fine)."""
+    return _rows(torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1))
+
+
+def bad_prob_rows(probs: torch.Tensor) -> list[int]:
+    """Rows of (unnormalised) probabilities `multinomial` refuses: not finite, or no positive mass."""
+    return _rows(~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0))
+
+
+def _rows(mask: torch.Tensor) -> list[int]:
+    return [int(i) for i in torch.nonzero(mask).flatten().tolist()]
 
 
 def skip_draws(generator: torch.Generator, vocab_size: int, num_draws: int) -> None:

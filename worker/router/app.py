@@ -165,9 +165,12 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         return errors.bad_request(f"invalid request: {exc.errors()[:1]}").response()
 
     @app.exception_handler(Exception)
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unexpected error")
-        return errors.internal(f"internal error: {type(exc).__name__}: {exc}").response()
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # The client gets a reference to the log line, never the exception's text: that may hold
+        # worker addresses, paths or pieces of other requests.
+        ref = uuid.uuid4().hex[:12]
+        log.error("unexpected error %s on %s %s", ref, request.method, request.url.path, exc_info=exc)
+        return errors.internal(f"internal error (reference {ref} in the router's log)").response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

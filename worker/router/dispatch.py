@@ -29,6 +29,8 @@ from tandem.worker.router.placement import PrefixAffinity, pick_decode, pick_pre
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.workers import WorkerRegistry, WorkerState
 from tandem.worker.server.protocol import (
+    MAX_DEADLINE_S,
+    MAX_RESERVE_DEADLINE_S,
     STREAM_HEARTBEAT_S,
     DecodeRequest,
     GenerateRequest,
@@ -156,7 +158,8 @@ class Dispatcher:
                 lost.add(decode.url)
                 self.registry.mark_down(decode.url, str(exc))
                 if migrations > MAX_MIGRATIONS:
-                    raise errors.internal(f"request failed on {migrations} workers; last: {exc}") from None
+                    log.error("request %s failed on %d workers; last: %s", request_id, migrations, exc)
+                    raise errors.internal(f"the request failed on {migrations} workers in a row; retry later") from None
                 decode = await self._wait_for(lambda: self._pick_decode(lost), deadline)
                 log.warning("request %s: %s; migrating to %s after %d tokens", request_id, exc, decode.url,
                             len(generated))
@@ -225,8 +228,8 @@ class Dispatcher:
             except WorkerRejected as exc:
                 if exc.status < 500 or time.monotonic() >= deadline:
                     await self._cancel(decode, request_id)
-                    if exc.status < 500:
-                        raise errors.bad_request(str(exc)) from None
+                    if exc.status < 500:  # the request's own fault or failure: the same on any worker
+                        raise _refused(exc.status, str(exc)) from None
                     raise errors.timeout("the request's deadline passed during prefill") from None
                 continue  # draining or overloaded: try the next prefill worker
             except WorkerLost as exc:
@@ -295,7 +298,8 @@ class Dispatcher:
         worker: WorkerState | None = decode
         while worker is not None:
             tried.add(worker.url)
-            body = ReserveRequest(request_id=request_id, num_tokens=num_tokens, deadline_s=_left(deadline))
+            body = ReserveRequest(request_id=request_id, num_tokens=num_tokens,
+                                  deadline_s=min(_left(deadline), MAX_RESERVE_DEADLINE_S))
             try:
                 resp = await self._post(worker, "/kv/reserve", body, ReserveResponse, deadline,
                                         hop_timeout=RESERVE_TIMEOUT_S)
@@ -399,7 +403,7 @@ class Dispatcher:
                 if resp.status_code != 200:
                     await resp.aread()
                     if resp.status_code < 500:
-                        raise errors.bad_request(_detail(resp))
+                        raise _refused(resp.status_code, _detail(resp))
                     raise WorkerLost(f"{worker.url}{path}: HTTP {resp.status_code}: {_detail(resp)}")
                 lines = resp.aiter_lines()
                 last_token = time.monotonic()
@@ -422,6 +426,8 @@ class Dispatcher:
                             raise WorkerLost(f"{worker.url}{path}: alive but no token for {self.stall_timeout:.3g}s")
                         continue
                     chunk = StreamChunk.model_validate(json.loads(line))
+                    if chunk.error and chunk.request_error:  # this request's own: not the worker's fault
+                        raise errors.request_failed(chunk.error)
                     if chunk.error:
                         raise WorkerLost(f"{worker.url}: {chunk.error}")
                     reason = chunk.finish_reason if chunk.finished else None
@@ -441,7 +447,16 @@ class Dispatcher:
 
 
 def _left(deadline: float) -> float:
-    return max(0.001, deadline - time.monotonic())
+    """Seconds left until `deadline`, as a worker takes them (it refuses more than MAX_DEADLINE_S)."""
+    return min(MAX_DEADLINE_S, max(0.001, deadline - time.monotonic()))
+
+
+def _refused(status: int, message: str) -> errors.APIError:
+    """A worker's 4xx as the client's error: a request failure (422) or a bad request. Either is the
+    request's own and would be the same on any worker: it is neither retried nor counted against one."""
+    if status == 422:
+        return errors.request_failed(message)
+    return errors.bad_request(message)
 
 
 def _detail(resp: httpx.Response) -> str:

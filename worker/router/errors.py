@@ -46,4 +46,12 @@ def timeout(message: str) -> APIError:
 
 
 def internal(message: str) -> APIError:
+    """A 500. Its message is written for the client: never an exception's text (that goes to the log)."""
     return APIError(500, message, type_="server_error")
+
+
+def request_failed(message: str) -> APIError:
+    """The worker could not compute this request (NaN logits, a sampling failure...), and no other worker
+    could either: the request failed alone. A 500 (the server failed it, not the client), whose message
+    the engine writes for the client."""
+    return APIError(500, message, type_="server_error", code="request_failed")

@@ -9,6 +9,7 @@ as OpenAI's own API answers; pydantic's lax mode would turn "yes" into true and 
 from __future__ import annotations
 
 import json
+import re
 import types
 import typing
 from typing import Annotated, Any, Literal
@@ -17,7 +18,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, Vali
 from pydantic_core import PydanticCustomError
 
 from tandem.worker.router.errors import APIError, bad_request
-from tandem.worker.server.protocol import Sampling
+from tandem.worker.server.protocol import INT32_MAX, MAX_TEMPERATURE, SEED_MAX, SEED_MIN, Sampling
 
 
 def _json_number(value: Any) -> Any:
@@ -36,27 +37,33 @@ Int = Annotated[int, BeforeValidator(_json_number)]  # 5 and 5.0 pass; "5", true
 Float = Annotated[float, BeforeValidator(_json_number)]
 # true/false only (null: the default, false), never "yes" or 1.
 Flag = Annotated[bool, Strict(), BeforeValidator(_null_is_false)]
+TokenId = Annotated[int, BeforeValidator(_json_number), Field(ge=0, le=INT32_MAX)]
+# A UTF-16 surrogate written as a JSON escape (\ud800-\udfff): json.loads turns a lone one into a str no
+# tokenizer can encode. Pairs are fine (an emoji); this only says whether the slower exact check must run.
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 # Roles whose message must carry content (OpenAI: required for system/developer/user/tool; an
 # assistant message may leave it out or null when it carries tool_calls, and vLLM accepts that).
 CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     include_usage: Flag = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Ranges are the worker's (protocol.Sampling), checked here first so that the client sees a 400 naming
+    # the parameter. No NaN or Infinity: json.loads takes both, and they fail no range check downstream.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str
     max_tokens: Int | None = Field(None, ge=1)
-    temperature: Float = Field(1.0, ge=0.0, le=2.0)
+    temperature: Float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # a tiny one is greedy (the engine's floor)
     top_p: Float = Field(1.0, gt=0.0, le=1.0)
-    top_k: Int = Field(0, ge=-1)  # vLLM: -1 and 0 both mean off
+    top_k: Int = Field(0, ge=-1, le=INT32_MAX)  # vLLM: -1 and 0 both mean off
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
-    seed: Int | None = None
+    seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
@@ -88,10 +95,7 @@ class ChatRequest(_Common):
 
 
 def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -> Any:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise bad_request("request body must be a JSON object")
     try:
@@ -104,6 +108,44 @@ def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -
         raise bad_request(f"invalid value for '{where}': {first['msg']}", param=where) from None
     _check_unsupported(req)
     return req
+
+
+def load_json(raw: bytes) -> Any:
+    """The body as JSON, or a 400 for anything a strict JSON parser refuses and for what Python's takes
+    but nothing downstream can use: NaN and Infinity, nesting deeper than the interpreter's recursion
+    limit (a RecursionError, which was a 500), and lone surrogates (a 500 in the tokenizer)."""
+    try:
+        data = json.loads(raw, parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    if SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        raise bad_request("request body has a lone UTF-16 surrogate escape (\\ud800-\\udfff): not a character")
+    return data
+
+
+def _no_constant(name: str) -> Any:
+    raise bad_request(f"request body is not valid JSON: {name} is not a JSON number")
+
+
+def _has_lone_surrogate(data: Any) -> bool:
+    """Whether any string in the parsed body holds a surrogate json.loads left unpaired. Iterative: the
+    body's nesting is whatever json.loads accepted, close to the interpreter's recursion limit."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _param(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str | None, bool]:

@@ -38,6 +38,9 @@ class WorkerConfig:
     drain_timeout: float = 60.0
     kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
     fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
+    # Decode role: what one caller may hold in unclaimed KV reservations (kv_link.PeerQuota).
+    max_reserved_share_per_peer: float = 0.5  # of the KV pool's blocks
+    max_reservations_per_peer: int = 512
     kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
     keys: KVKeys | None = field(init=False, default=None)  # loaded from kv_keys, at start
 
@@ -57,6 +60,10 @@ class WorkerConfig:
                 self.keys = KVKeys.load(self.kv_keys)  # fail at start, not when the model has loaded
             except KVKeysError as exc:
                 raise ValueError(f"--kv-keys: {exc}") from None
+        if not 0.0 < self.max_reserved_share_per_peer <= 1.0:
+            raise ValueError(f"max_reserved_share_per_peer must be in (0, 1], got {self.max_reserved_share_per_peer}")
+        if self.max_reservations_per_peer < 1:
+            raise ValueError(f"max_reservations_per_peer must be >= 1, got {self.max_reservations_per_peer}")
         for name in ("port", "kv_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be a TCP port, got {getattr(self, name)}")

@@ -1,7 +1,9 @@
 """HTTP routes of a worker: probes, metrics, and the control API the router calls.
 
 Errors are JSON {"error": {"message": ...}} with a status the router acts on: 400 (bad request,
-do not retry), 409 (conflict), 503 (loading, draining or full: try another worker), 504 (deadline).
+do not retry), 409 (conflict), 422 (this request failed on its own and would anywhere: do not retry),
+429 (this caller holds too many KV reservations), 503 (loading, draining or full: try another worker),
+504 (deadline).
 """
 
 from __future__ import annotations
@@ -92,7 +94,8 @@ def create_app(server: WorkerServer) -> FastAPI:
     @app.post("/kv/reserve")
     async def reserve(request: Request) -> dict[str, Any]:
         body = await _parse(request, ReserveRequest)
-        return (await server.reserve(body, request.is_disconnected)).model_dump()
+        peer = request.client.host if request.client is not None else ""
+        return (await server.reserve(body, request.is_disconnected, peer)).model_dump()
 
     @app.post("/kv/cancel")
     async def cancel(request: Request) -> dict[str, Any]:

@@ -121,6 +121,39 @@ class Reservation:
     expiry: asyncio.TimerHandle | None = None
     claimed: bool = False
     created: float = field(default_factory=time.monotonic)
+    peer: str = ""  # who asked for it; its blocks count against that peer's quota until claimed
+    quota_blocks: int = 0
+
+
+class PeerQuota:
+    """What one peer (a caller's address) may hold in unclaimed reservations: at most `max_blocks`
+    KV blocks and `max_reservations` reservations. A reservation holds its blocks until it is claimed
+    or expires; without a cap, one caller could set the whole pool aside and stall every request
+    (issue 18: 64 reservations took all 8,192 blocks). The router reserves only for requests being
+    prefilled, and when refused it goes on without a reservation (decode prefills locally)."""
+
+    def __init__(self, max_blocks: int, max_reservations: int) -> None:
+        self.max_blocks = max_blocks
+        self.max_reservations = max_reservations
+        self._held: dict[str, tuple[int, int]] = {}  # peer -> (reservations, blocks)
+
+    def take(self, peer: str, blocks: int) -> str | None:
+        """Count a reservation of `blocks` against `peer`; None, or why it is refused."""
+        count, held = self._held.get(peer, (0, 0))
+        if count + 1 > self.max_reservations:
+            return f"this caller already holds {count} unclaimed KV reservations here (at most {self.max_reservations})"
+        if held + blocks > self.max_blocks:
+            return (f"this caller's unclaimed KV reservations would hold {held + blocks} blocks here "
+                    f"(at most {self.max_blocks})")
+        self._held[peer] = (count + 1, held + blocks)
+        return None
+
+    def give_back(self, peer: str, blocks: int) -> None:
+        count, held = self._held.get(peer, (1, blocks))
+        if count <= 1:
+            self._held.pop(peer, None)
+        else:
+            self._held[peer] = (count - 1, held - blocks)
 
 
 EARLY_CANCEL_MEMORY_S = 120.0  # how long a cancel that found no reservation is remembered
@@ -130,16 +163,19 @@ EARLY_CANCEL_LIMIT = 100_000  # and how many at most (oldest forgotten first): ~
 class KVIntake:
     """Decode-side reservations. All methods run on the event loop thread."""
 
-    def __init__(self, receiver: Any, release: Callable[[str], Any]) -> None:
+    def __init__(self, receiver: Any, release: Callable[[str], Any], quota: PeerQuota | None = None) -> None:
         self.receiver = receiver
         self._release = release  # async-schedules engine.cancel_reservation(request_id)
+        # The caller of open() took the reservation's share of it; claim() gives that back.
+        self.quota = quota or PeerQuota(max_blocks=2**62, max_reservations=2**62)
         self.reservations: dict[str, Reservation] = {}
         # Cancels that came before their reservation, oldest first, with when they are forgotten. The
         # router sends a cancel on another connection than the reserve it cancels, so it can overtake
         # that reserve; the reservation it finally makes must not outlive the cancel.
         self._early_cancels: dict[str, float] = {}
 
-    def open(self, request_id: str, block_ids: list[int], deadline_s: float) -> Reservation:
+    def open(self, request_id: str, block_ids: list[int], deadline_s: float, peer: str = "",
+             quota_blocks: int = 0) -> Reservation:
         loop = asyncio.get_running_loop()
         transfer_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         fut: asyncio.Future[TransferError | None] = loop.create_future()
@@ -152,7 +188,7 @@ class KVIntake:
             loop.call_soon_threadsafe(settle, err)
 
         self.receiver.expect(transfer_id, block_ids, deadline_s, done)
-        res = Reservation(request_id, transfer_id, block_ids, fut)
+        res = Reservation(request_id, transfer_id, block_ids, fut, peer=peer, quota_blocks=quota_blocks)
         # Nobody claimed it (router gone?): give the blocks back a little after the transfer deadline.
         res.expiry = loop.call_later(deadline_s + 5.0, self._expire, request_id)
         self.reservations[request_id] = res
@@ -160,8 +196,10 @@ class KVIntake:
 
     def claim(self, request_id: str) -> Reservation | None:
         res = self.reservations.pop(request_id, None)
-        if res is not None and res.expiry is not None:
-            res.expiry.cancel()
+        if res is not None:
+            if res.expiry is not None:
+                res.expiry.cancel()
+            self.quota.give_back(res.peer, res.quota_blocks)
         return res
 
     def drop(self, res: Reservation) -> None:
@@ -195,7 +233,7 @@ class KVIntake:
             del self._early_cancels[oldest]
 
     def _expire(self, request_id: str) -> None:
-        res = self.reservations.pop(request_id, None)
+        res = self.claim(request_id)
         if res is not None:
             log.warning("reservation %s was never claimed; freeing its %d blocks", request_id, len(res.block_ids))
             self.drop(res)

@@ -10,45 +10,77 @@ off) shows as silence within seconds, not only after the stall timeout.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-CONTROL_API_VERSION = 2  # 2: streams carry heartbeats (blank lines)
+# 2: streams carry heartbeats (blank lines); 3: a chunk's error may be the request's own (request_error)
+CONTROL_API_VERSION = 3
 STREAM_HEARTBEAT_S = 1.0
 
+# Ranges every caller of a worker is held to, the router included (it checks the same ones first, so a
+# client sees them as 400s with the OpenAI parameter named). The worker checks them again: it must not
+# trust its caller to have (issue 18: one out-of-range request could fail every request on a worker).
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+INT32_MAX = 2**31 - 1  # top_k, token ids: anything at or above the vocabulary means "off" or is refused
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as vLLM takes it (torch refuses wider ones)
+# Deadlines are finite: a request's own (generate, prefill, decode) at most a day, and a reservation's at
+# most 10 minutes; an unclaimed reservation holds KV blocks all that time (the router sends no more than
+# the time its request has left, and claims a reservation as soon as the first token is back).
+MAX_DEADLINE_S = 86_400.0
+MAX_RESERVE_DEADLINE_S = 600.0
 
-class Sampling(BaseModel):
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _Wire(BaseModel):
+    # No NaN or Infinity anywhere (pydantic's JSON parser takes both): a NaN passes no range check
+    # and an infinite deadline never passes.
+    model_config = ConfigDict(allow_inf_nan=False)
+
+
+class Sampling(_Wire):
     """Mirror of the engine's SamplingParams (plain data, so the router does not import torch)."""
 
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0)
-    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
+    temperature: float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # below the engine's floor: greedy
+    top_k: int = Field(0, ge=0, le=INT32_MAX)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
+    stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(_Wire):
     """Plain generation on a `both` or `decode` worker (monolithic mode, fallback, migration)."""
 
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
-    deadline_s: float = Field(600.0, gt=0)  # seconds from now; the worker aborts after it
+    deadline_s: float = Field(600.0, gt=0, le=MAX_DEADLINE_S)  # seconds from now; the worker aborts after it
     # Tokens of this request already sampled elsewhere (a migration: they end the prompt); a seeded
     # request's generator skips their draws, so the continuation is the draw of an undisturbed run.
     sampled_before: int = Field(0, ge=0)
 
+    @model_validator(mode="after")
+    def _sampled_tokens_end_the_prompt(self) -> GenerateRequest:
+        # Skipping a draw costs one multinomial on the engine thread: an unbounded count stalled every
+        # request on the worker (300,000 took 26 s). Tokens sampled before are part of the prompt, and
+        # at least one prompt token came before them, so the prompt's length bounds them.
+        if self.sampled_before >= max(1, len(self.prompt_token_ids)):
+            raise ValueError(f"sampled_before ({self.sampled_before}) must be less than the number of prompt "
+                             f"tokens ({len(self.prompt_token_ids)}): the tokens sampled before end the prompt")
+        return self
 
-class ReserveRequest(BaseModel):
+
+class ReserveRequest(_Wire):
     request_id: str
-    num_tokens: int = Field(ge=1)
-    deadline_s: float = Field(30.0, gt=0)  # the reservation is freed if no decode call claims it
+    num_tokens: int = Field(ge=1, le=INT32_MAX)  # and below the worker's max_model_len (checked there)
+    # The reservation is freed if no decode call claims it by then.
+    deadline_s: float = Field(30.0, gt=0, le=MAX_RESERVE_DEADLINE_S)
 
 
 class ReserveResponse(BaseModel):
@@ -67,12 +99,12 @@ class KVTarget(BaseModel):
     layout_hash: str
 
 
-class PrefillRequest(BaseModel):
+class PrefillRequest(_Wire):
     request_id: str
     prompt_token_ids: list[int]
     sampling: Sampling
     target: KVTarget | None = None  # None: prefill only (first token), nothing to ship
-    deadline_s: float = Field(60.0, gt=0)
+    deadline_s: float = Field(60.0, gt=0, le=MAX_DEADLINE_S)
 
 
 class PrefillResponse(BaseModel):
@@ -83,7 +115,7 @@ class PrefillResponse(BaseModel):
     error: str | None = None
 
 
-class DecodeRequest(BaseModel):
+class DecodeRequest(_Wire):
     """Continue a request on a decode worker after prefill returned its first token.
 
     With kv_ready the reserved blocks hold the prompt's KV; otherwise (or if the transfer did not
@@ -95,7 +127,7 @@ class DecodeRequest(BaseModel):
     first_token_id: int
     sampling: Sampling  # the client's sampling; max_tokens counts the first token too
     kv_ready: bool = True
-    deadline_s: float = Field(600.0, gt=0)
+    deadline_s: float = Field(600.0, gt=0, le=MAX_DEADLINE_S)
 
 
 class AbortRequest(BaseModel):
@@ -109,6 +141,10 @@ class StreamChunk(BaseModel):
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     error: str | None = None  # set with finished=True when the worker gave up on the request
+    # With error: the failure is this request's own (its sampling failed, its logits were NaN...), the
+    # same on any worker. The router fails the request alone; it neither migrates it nor marks the
+    # worker down. Without: the worker failed (its engine stopped), and the request may move.
+    request_error: bool = False
     fallback: bool = False  # the decode worker prefilled locally (KV transfer failed)
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from tandem.worker import metrics as m
 from tandem.worker.server.config import WorkerConfig
 from tandem.worker.server.engine_loop import EngineFailure, EngineLoop, Subscription
-from tandem.worker.server.kv_link import KVIntake, KVShipper
+from tandem.worker.server.kv_link import KVIntake, KVShipper, PeerQuota
 from tandem.worker.server.protocol import (
     STREAM_HEARTBEAT_S,
     DecodeRequest,
@@ -152,7 +152,9 @@ class WorkerServer:
             self.transport = str(self._receiver.transport)
             scheme, _, port = self._receiver.address.rpartition(":")
             self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
-            self.intake = KVIntake(self._receiver, self._cancel_reservation)
+            quota = PeerQuota(max(1, int(engine.stats().num_total_blocks * cfg.max_reserved_share_per_peer)),
+                              cfg.max_reservations_per_peer)
+            self.intake = KVIntake(self._receiver, self._cancel_reservation, quota)
             direction = "recv"
         else:
             # A decode worker that stops answering fails the transfer after kv_wait_timeout, the time
@@ -247,10 +249,22 @@ class WorkerServer:
             raise Rejected(400, str(exc)) from None
         try:
             await loop.acall(lambda e: e.add_request(request_id, prompt, params, sampled_before=sampled_before))
-        except ValueError as exc:
+        except Exception as exc:
             loop.unsubscribe(request_id)
-            raise Rejected(400, str(exc)) from None
+            raise self._refusal(loop, request_id, exc) from None
         return sub
+
+    @staticmethod
+    def _refusal(loop: EngineLoop, request_id: str, exc: Exception) -> Rejected:
+        """The answer to a request the engine would not add: 400 for what it names as wrong with the
+        request; 503 if the engine is gone (this worker's failure: the router may try another); and for
+        anything else, which this request alone caused on a live engine, 422 (it would fail anywhere)."""
+        if isinstance(exc, ValueError):
+            return Rejected(400, str(exc))
+        if not loop.alive:
+            return Rejected(503, "the engine is not running")
+        log.error("request %s: the engine could not add it", request_id, exc_info=exc)
+        return Rejected(422, "the engine could not take this request (the worker's log has the details)")
 
     async def _pump(self, loop: EngineLoop, request_id: str, sub: Subscription, deadline: float,
                     first: StreamChunk | None = None) -> AsyncIterator[bytes]:
@@ -275,6 +289,12 @@ class WorkerServer:
                     yield StreamChunk(finished=True, error=out.message).model_dump_json().encode() + b"\n"
                     return
                 now = time.monotonic()
+                if out.finish_reason == "error":  # this request alone failed (request_error: not the worker)
+                    finished = True
+                    self._finished(out, now - sub.arrival)
+                    yield StreamChunk(finished=True, finish_reason="error", error=out.error, request_error=True,
+                                      num_prompt_tokens=out.num_prompt_tokens).model_dump_json().encode() + b"\n"
+                    return
                 if out.new_token_ids:
                     if last is None and first is None:
                         self.telemetry.observe(m.TTFT, now - sub.arrival)
@@ -305,24 +325,37 @@ class WorkerServer:
         sub = await self._add(loop, req.request_id, req.prompt_token_ids, req.sampling, req.sampled_before)
         return self._pump(loop, req.request_id, sub, time.monotonic() + req.deadline_s)
 
-    async def reserve(self, req: ReserveRequest,
-                      caller_gone: Callable[[], Awaitable[bool]] | None = None) -> ReserveResponse:
+    async def reserve(self, req: ReserveRequest, caller_gone: Callable[[], Awaitable[bool]] | None = None,
+                      peer: str = "") -> ReserveResponse:
         """Set blocks aside for incoming KV. `caller_gone` (the HTTP request's is_disconnected) says
-        whether the router stopped waiting for the answer; then the reservation is given back at once."""
+        whether the router stopped waiting for the answer; then the reservation is given back at once.
+        `peer` (the caller's address) is who the reservation counts against (kv_link.PeerQuota)."""
         loop = self._admit("decode")
         assert self.intake is not None and self.kv_address is not None
         if req.request_id in self.intake.reservations:
             raise Rejected(409, f"request {req.request_id!r} already has a reservation here")
-        blocks = await loop.acall(lambda e: e.reserve_kv(req.request_id, req.num_tokens))
+        num_blocks = math.ceil(req.num_tokens / self.cfg.block_size)
+        refused = self.intake.quota.take(peer, num_blocks)
+        if refused is not None:
+            raise Rejected(429, refused)
+        try:
+            blocks = await loop.acall(lambda e: e.reserve_kv(req.request_id, req.num_tokens))
+        except Exception as exc:
+            self.intake.quota.give_back(peer, num_blocks)
+            raise self._refusal(loop, req.request_id, exc) from None
         if blocks is None:
+            self.intake.quota.give_back(peer, num_blocks)
             raise Rejected(503, f"no room for {req.num_tokens} tokens of KV on this worker now")
         # The prompt's KV fills exactly these blocks; that is what the prefill side sends.
-        blocks = list(blocks)[:math.ceil(req.num_tokens / self.cfg.block_size)]
+        blocks = list(blocks)[:num_blocks]
         try:
-            res = self.intake.open(req.request_id, blocks, req.deadline_s)
+            res = self.intake.open(req.request_id, blocks, req.deadline_s, peer, num_blocks)
         except Exception as exc:
+            self.intake.quota.give_back(peer, num_blocks)
             self._cancel_reservation(req.request_id)
-            raise Rejected(500, f"could not expect the transfer: {exc}") from None
+            log.error("request %s: could not expect its KV transfer", req.request_id, exc_info=exc)
+            raise Rejected(500, "could not expect the KV transfer (the worker's log has the details)") from None
+        # From here on the intake owns the reservation (and its quota): cancel() gives both back.
         if self.intake.cancelled_early(req.request_id):  # its cancel came first (or while the engine worked)
             self.intake.cancel(req.request_id)
             raise Rejected(409, f"request {req.request_id!r} was cancelled before its reservation was made")
@@ -369,18 +402,23 @@ class WorkerServer:
         elif res is not None:
             error, given_up = "the prefill worker could not ship the KV", ABANDONED
         if error is None and res is not None:
-            params = self._params(req.sampling)
+            try:
+                params = self._params(req.sampling)
+            except ValueError as exc:
+                self.intake.drop(res)
+                raise Rejected(400, str(exc)) from None
             try:
                 sub = loop.subscribe(req.request_id)
             except ValueError as exc:
+                self.intake.drop(res)
                 raise Rejected(409, str(exc)) from None
             try:
                 await loop.acall(lambda e: e.add_prefilled_request(req.request_id, req.prompt_token_ids,
                                                                    req.first_token_id, params))
-            except ValueError as exc:
+            except Exception as exc:
                 loop.unsubscribe(req.request_id)
                 self.intake.drop(res)
-                raise Rejected(400, str(exc)) from None
+                raise self._refusal(loop, req.request_id, exc) from None
             return self._pump(loop, req.request_id, sub, deadline, StreamChunk(num_prompt_tokens=len(req.prompt_token_ids)))
         # Fallback: prefill prompt + first token here. Slower, same tokens under greedy sampling.
         log.warning("request %s: %s; prefilling locally", req.request_id, error)
@@ -443,6 +481,9 @@ class WorkerServer:
                     continue
                 if isinstance(out, EngineFailure):
                     raise Rejected(500, out.message)
+                if out.finish_reason == "error":  # this request's own failure: it would fail on any worker
+                    self._finished(out, time.monotonic() - sub.arrival)
+                    raise Rejected(422, out.error or "this request failed")
                 if out.finished:
                     finished = True
                     break
