@@ -70,7 +70,7 @@ def test_minimal_sample_becomes_ready_with_its_children(testbed: Bed,
     services = {s["metadata"]["name"]: s["spec"] for s in children(testbed, "tiny", "services")}
     assert set(services) == {"tiny", "tiny-prefill", "tiny-decode"}
     assert services["tiny-prefill"]["clusterIP"] == "None" and services["tiny-decode"]["clusterIP"] == "None"
-    assert sorted(p["metadata"]["name"] for p in children(testbed, "tiny", "pdb")) == ["tiny-decode", "tiny-prefill"]
+    assert sorted(p["metadata"]["name"] for p in children(testbed, "tiny", "pdb")) == ["tiny-decode", "tiny-prefill", "tiny-router"]
 
     prefill = testbed.get("deployment", "tiny-prefill")
     container = prefill["spec"]["template"]["spec"]["containers"][0]
@@ -260,7 +260,7 @@ def test_restart_in_the_middle_of_a_reconcile_converges_without_duplicates(
     assert sorted(d["metadata"]["name"] for d in children(testbed, "restart", "deployments")) == [
         "restart-decode", "restart-prefill", "restart-router"]
     assert len(children(testbed, "restart", "services")) == 3
-    assert len(children(testbed, "restart", "pdb")) == 2
+    assert len(children(testbed, "restart", "pdb")) == 3
     for deployment in ("restart-prefill", "restart-decode", "restart-router"):
         replicasets = testbed.list("replicasets", f"app.kubernetes.io/instance=restart,"
                                                   f"app.kubernetes.io/component={deployment.split('-')[1]}")
