@@ -7,6 +7,8 @@ Each test is a repro from the adversarial review, run against a real `tandem ser
 - a lone surrogate in a prompt and JSON nested 100,000 deep were 500s that leaked exception text;
 - the worker control API took a reservation deadline of 1e6 s, any number of reservations, and a
   `sampled_before` of 300,000 (26 s of the engine thread).
+The router's side of a request's own failure (not retried, not migrated, no worker marked down) is
+tested against scripted workers and a real router: a real engine has no input left that fails that way.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import httpx
 import pytest
 
 from .conftest import Stack, metric_value, wait_until_disaggregated
+from .test_router_robustness import router_procs, start_router  # noqa: F401 (fixtures, used by name)
 
 pytestmark = pytest.mark.integration
 
@@ -206,3 +212,83 @@ def test_worker_treats_an_underflowing_temperature_as_greedy(stack: Stack) -> No
         return [t for c in chunks for t in c["token_ids"]]
 
     assert generate("tiny-t", 1e-50) == generate("zero-t", 0.0)
+
+
+class FailingWorker:
+    """A scripted worker whose engine fails every request on its own (the request's fault, not the
+    worker's): /generate and /decode end with a request_error chunk, /prefill answers 422."""
+
+    MESSAGE = "the model's output for this request is not a number (NaN or infinite logits)"
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.calls: Counter[str] = Counter()
+        worker = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self._json(worker.info() if self.path == "/info" else {"error": {"message": "no"}},
+                           200 if self.path == "/info" else 404)
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                worker.calls[self.path] += 1
+                if self.path == "/kv/reserve":
+                    self._json({"transfer_id": body["request_id"], "kv_address": "tcp://127.0.0.1:9",
+                                "block_ids": [0], "layout_hash": "fake"})
+                elif self.path == "/prefill":
+                    self._json({"error": {"message": FailingWorker.MESSAGE}}, 422)
+                elif self.path in ("/decode", "/generate"):
+                    chunk = {"finished": True, "finish_reason": "error", "error": FailingWorker.MESSAGE,
+                             "request_error": True}
+                    self._send(json.dumps(chunk).encode() + b"\n", "application/x-ndjson")
+                else:
+                    self._json({})
+
+            def _json(self, data: Any, status: int = 200) -> None:
+                self._send(json.dumps(data).encode(), "application/json", status)
+
+            def _send(self, payload: bytes, ctype: str, status: int = 200) -> None:
+                self.send_response(status)
+                self.send_header("content-type", ctype)
+                self.send_header("content-length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def info(self) -> dict[str, Any]:
+        return {"api_version": 3, "model": "tiny", "role": self.role, "pool": "local", "layout_hash": "fake",
+                "kv_address": None, "transport": "tcp", "max_model_len": 2048, "block_size": 16, "ready": True,
+                "draining": False, "load_progress": 1.0, "stats": {"num_free_blocks": 1000, "queued_prompt_tokens": 0}}
+
+
+def assert_failed_alone(router: str, workers: list[FailingWorker], path: str) -> None:
+    resp = httpx.post(f"{router}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
+    assert resp.status_code == 500, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == "request_failed" and err["message"] == FailingWorker.MESSAGE, err
+    # Tried once, on one worker: not retried elsewhere, not migrated...
+    assert sum(w.calls[path] for w in workers) == 1, [dict(w.calls) for w in workers]
+    # ...and no worker was marked down for it.
+    listed = httpx.get(f"{router}/workers", timeout=5).json()
+    assert all(w["up"] and w["usable"] for w in listed), listed
+
+
+def test_router_neither_migrates_nor_marks_down_a_requests_own_failure(request: pytest.FixtureRequest) -> None:
+    decode = [FailingWorker("both"), FailingWorker("both")]
+    router = request.getfixturevalue("start_router")([], decode)
+    assert_failed_alone(router, decode, "/generate")
+
+
+def test_router_does_not_retry_a_prefill_that_failed_on_its_own(request: pytest.FixtureRequest) -> None:
+    prefill = [FailingWorker("prefill"), FailingWorker("prefill")]
+    decode = FailingWorker("decode")
+    router = request.getfixturevalue("start_router")(prefill, [decode])
+    assert_failed_alone(router, prefill, "/prefill")
+    assert decode.calls["/kv/cancel"] == 1  # the reservation made for it was given back

@@ -334,6 +334,9 @@ class WorkerServer:
         assert self.intake is not None and self.kv_address is not None
         if req.request_id in self.intake.reservations:
             raise Rejected(409, f"request {req.request_id!r} already has a reservation here")
+        if req.num_tokens >= self.engine.max_model_len:  # a size no request has: refused before the quota
+            raise Rejected(400, f"{req.num_tokens} prompt tokens leave no room to decode within max_model_len "
+                           f"{self.engine.max_model_len}")
         num_blocks = math.ceil(req.num_tokens / self.cfg.block_size)
         refused = self.intake.quota.take(peer, num_blocks)
         if refused is not None:
