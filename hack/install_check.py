@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -117,8 +118,10 @@ def still_running(procs: dict[int, str]) -> list[int]:
 
 # --- the stack, as a user drives it ------------------------------------------------------------
 
-def exercise(cmd: list[str], cwd: Path, env: dict[str, str], port: int, log_path: Path) -> None:
-    """Start `cmd` (it serves the OpenAI API on `port`), use it, Ctrl-C it, check it left nothing."""
+def exercise(cmd: list[str], cwd: Path, env: dict[str, str], port: int, log_path: Path,
+             while_serving: Sequence[list[str]] = ()) -> None:
+    """Start `cmd` (it serves the OpenAI API on `port`), use it, Ctrl-C it, check it left nothing.
+    `while_serving`: more commands to run against it ("{url}" stands for http://127.0.0.1:PORT)."""
     import httpx
     import openai
 
@@ -159,6 +162,13 @@ def exercise(cmd: list[str], cwd: Path, env: dict[str, str], port: int, log_path
         if not text or finish not in (["length"], ["stop"]):
             raise CheckFailed(f"unexpected chat stream ({len(chunks)} chunks, text {text!r}, finish {finish})")
         say(f"completion ({completion.usage.completion_tokens} tokens) and streamed chat ({len(chunks)} chunks) ok")
+        for extra in while_serving:
+            argv = [a.replace("{url}", f"http://127.0.0.1:{port}") for a in extra]
+            out = run(argv, cwd=cwd, env=env, timeout=300)
+            summary = next((line.strip() for line in out.splitlines() if line.startswith("requests:")), "")
+            if " 0 failed" not in summary:
+                raise CheckFailed(f"`{' '.join(argv[1:])}` reported failures:\n{out[-3000:]}")
+            say(f"`{' '.join(argv[1:])}`: {summary}")
 
         procs = descendants(proc.pid)
         t_stop = time.monotonic()
@@ -221,10 +231,34 @@ def check_wheel(python: str, work: Path) -> None:
         raise CheckFailed(f"tandem --version said {version!r}")
     doctor = run([str(venv / "bin/tandem"), "doctor", "--no-bandwidth"], cwd=work, env=env)
     say(f"tandem --version: {version.strip()}; tandem doctor ok ({len(doctor.splitlines())} lines)")
+    tandem = str(venv / "bin/tandem")
+    # Every command the worker extra is documented to cover imports with only that extra.
+    for name in ("serve", "worker", "router", "bench", "doctor", "fetch-model", "kv-keys", "make-tiny-model"):
+        run([tandem, name, "--help"], cwd=work, env=env)
     port = free_port()
     # Outside the checkout, so nothing but the installed wheel can be imported.
-    exercise([str(venv / "bin/tandem"), "serve", "--model", "tiny", "--port", str(port)], work, env, port,
-             work / "serve.log")
+    exercise([tandem, "serve", "--model", "tiny", "--port", str(port)], work, env, port, work / "serve.log",
+             while_serving=[[tandem, "bench", "--url", "{url}", "-n", "4", "--rate", "0", "--prompt-tokens", "16",
+                             "--output-tokens", "4"]])
+    check_operator_extra(python, wheels[0], tree, work, env)
+
+
+def check_operator_extra(python: str, wheel: Path, tree: Path, work: Path, env: dict[str, str]) -> None:
+    """The operator image installs only the operator extra (no torch): every operator module imports."""
+    venv = work / "operator-venv"
+    run([resolve_python(python), "-m", "venv", str(venv)], cwd=work, env=env)
+    run([str(venv / "bin/pip"), "install", "--quiet", "--disable-pip-version-check", "-c",
+         str(tree / "requirements-lock.txt"), f"{wheel}[operator]"], cwd=work, env=env)
+    modules = sorted(f"tandem.operator.{p.stem}" for p in (tree / "operator").glob("*.py"))
+    code = (f"import importlib, importlib.util; [importlib.import_module(m) for m in {modules!r}]; "
+            "print(importlib.util.find_spec('torch') is not None)")
+    probe = subprocess.run([str(venv / "bin/python"), "-c", code], cwd=work, env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        raise CheckFailed(f"importing the operator's modules with only the operator extra:\n{probe.stderr[-3000:]}")
+    if probe.stdout.strip() != "False":
+        raise CheckFailed("the operator extra installs torch (the operator image must stay small)")
+    run([str(venv / "bin/tandem"), "operator", "--help"], cwd=work, env=env)
+    say(f"the operator extra alone: all {len(modules)} operator modules import, `tandem operator --help` ok")
 
 
 def main() -> int:
