@@ -39,7 +39,7 @@ class WorkerConfig:
     kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
     fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
     # Decode role: what one caller may hold in unclaimed KV reservations (kv_link.PeerQuota).
-    max_reserved_share_per_peer: float = 0.5  # of the KV pool's blocks
+    max_reserved_share_per_peer: float = 0.5  # of the KV pool's blocks (never less than one full context)
     max_reservations_per_peer: int = 512
     kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
     keys: KVKeys | None = field(init=False, default=None)  # loaded from kv_keys, at start

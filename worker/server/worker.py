@@ -152,8 +152,11 @@ class WorkerServer:
             self.transport = str(self._receiver.transport)
             scheme, _, port = self._receiver.address.rpartition(":")
             self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
-            quota = PeerQuota(max(1, int(engine.stats().num_total_blocks * cfg.max_reserved_share_per_peer)),
-                              cfg.max_reservations_per_peer)
+            # Never less than one full-context request: a small pool must not refuse a long prompt its
+            # reservation (that request would always prefill locally, however idle the worker).
+            share = int(engine.stats().num_total_blocks * cfg.max_reserved_share_per_peer)
+            one_request = math.ceil(engine.max_model_len / cfg.block_size)
+            quota = PeerQuota(max(share, one_request), cfg.max_reservations_per_peer)
             self.intake = KVIntake(self._receiver, self._cancel_reservation, quota)
             direction = "recv"
         else:
