@@ -21,9 +21,11 @@ COPY worker ./worker
 RUN /opt/venv/bin/pip install $PIP_INSTALL_ARGS --no-deps .
 
 FROM ${PYTHON_IMAGE}
+# The same unprivileged uid the chart's securityContext asks for, with a passwd entry: kopf names
+# itself after getpass.getuser(), which raises for a uid the system does not know.
+RUN useradd --uid 65532 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin tandem
 COPY --from=build /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 HOME=/tmp
-# The same unprivileged uid the chart's securityContext asks for.
 USER 65532:65532
 EXPOSE 8080 8081
 ENTRYPOINT ["tandem"]

@@ -53,6 +53,10 @@ RUN if [ "$RDMA" = 1 ]; then \
         apt-get update && apt-get install -y --no-install-recommends libnl-3-200 libnl-route-3-200 libudev1 \
         && rm -rf /var/lib/apt/lists/*; \
     fi
+# Runs as an unprivileged user. RDMA memory registration pins pages: over the rdma transport a
+# pod needs CAP_IPC_LOCK, which Kubernetes gives a non-root process only in its bounding set, so
+# such pods run as root (runAsUser: 0) or on nodes whose runtime raises RLIMIT_MEMLOCK.
+RUN useradd --uid 65532 --user-group --create-home --shell /usr/sbin/nologin tandem
 COPY --from=uv /uv /usr/local/bin/uv
 COPY --from=rdma /opt/rdma-core /opt/rdma-core
 # Tandem needs Python >= 3.11, which Ubuntu 24.04 does not ship: uv installs a standalone build
@@ -76,10 +80,6 @@ COPY operator ./operator
 COPY worker ./worker
 RUN uv pip install $UV_INSTALL_ARGS --no-deps . && rm -rf /src/build
 
-# Runs as an unprivileged user. RDMA memory registration pins pages: over the rdma transport a
-# pod needs CAP_IPC_LOCK, which Kubernetes gives a non-root process only in its bounding set, so
-# such pods run as root (runAsUser: 0) or on nodes whose runtime raises RLIMIT_MEMLOCK.
-RUN useradd --uid 65532 --user-group --create-home --shell /usr/sbin/nologin tandem
 USER 65532:65532
 WORKDIR /home/tandem
 EXPOSE 8000 5555

@@ -12,8 +12,8 @@ published bases (CUDA, python:3.11-slim, ghcr's uv) for local ones:
   mounted into the build at /wheels, so that the build is offline and torch is not fetched again.
 Everything is cached in ~/.cache/tandem/images: the base tarball, the wheels, buildah's store.
 The Dockerfiles install dependencies before copying the source, so a code change rebuilds only
-the last small layers; `load` then hands containerd only the blobs it lacks, and skips an image
-whose ID it already has. The images are tagged tandem/worker:dev and tandem/operator:dev
+the last small layers; `load` then hands containerd only the layers it lacks (rewritten from
+buildah's store, not pushed), and skips an image whose ID it already has. The images are tagged tandem/worker:dev and tandem/operator:dev
 (docker.io/tandem/...:dev to containerd, which is what a pod's `image: tandem/worker:dev` means).
 Standard library only.
 """
@@ -21,6 +21,8 @@ Standard library only.
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import hashlib
 import io
 import json
@@ -220,48 +222,115 @@ def containerd_name(tag: str) -> str:
     return f"docker.io/{tag}"
 
 
-def export_oci(tag: str) -> tuple[Path, dict]:  # type: ignore[type-arg]
-    """Push to an OCI layout in the cache, uncompressed (gzip of gigabytes costs minutes on two
-    cores and gains nothing on one machine). Blobs it already holds are not written again."""
-    layout = cache_dir() / "oci"
-    buildah("push", "--quiet", "--disable-compression", tag, f"oci:{layout}:{tag}")
-    index = json.loads((layout / "index.json").read_text())
-    entry = next(m for m in index["manifests"]
-                 if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == tag)
-    return layout, entry
+# buildah keeps each image's manifest (layers as uncompressed tars, by their digests) and config,
+# and each layer as a folder plus its tar-split record: enough to write the layer's original tar
+# again, byte for byte, without `buildah push` (which re-reads and re-digests every layer: minutes
+# for the worker's gigabytes, even when containerd has them all).
+
+def storage_root() -> Path:
+    return cache_dir() / "buildah" / "root"
 
 
-def blob_path(layout: Path, digest: str) -> Path:
-    algo, hexdigest = digest.split(":")
-    return layout / "blobs" / algo / hexdigest
+def stored_image(image: str) -> tuple[bytes, str, bytes]:
+    """(manifest, its digest, config) of a buildah image, as buildah stored them."""
+    folder = storage_root() / "overlay-images" / image.removeprefix("sha256:")
+    record = next(i for i in json.loads((storage_root() / "overlay-images" / "images.json").read_text())
+                  if i["id"] == image.removeprefix("sha256:"))
+    manifest = (folder / "manifest").read_bytes()
+    config_digest = json.loads(manifest)["config"]["digest"]
+    config = (folder / ("=" + base64.b64encode(config_digest.encode()).decode())).read_bytes()
+    return manifest, record["big-data-digests"]["manifest"], config
 
 
-def import_into_containerd(paths: real_node.Paths, layout: Path, entry: dict, name: str,  # type: ignore[type-arg]
-                           have: set[str]) -> int:
-    """Stream an OCI archive into `ctr images import` with only the blobs containerd lacks: the
-    importer takes the rest from its content store (a code change moves megabytes, not gigabytes).
+def layer_folders() -> dict[str, str]:
+    """Uncompressed digest -> storage layer id."""
+    layers = json.loads((storage_root() / "overlay-layers" / "layers.json").read_text())
+    return {layer["diff-digest"]: layer["id"] for layer in layers if layer.get("diff-digest")}
+
+
+def write_layer(layer_id: str, out: io.BufferedIOBase) -> None:
+    """The layer's tar as it was committed: tar-split's raw header segments, file contents from
+    the layer's folder in between."""
+    diff = storage_root() / "overlay" / layer_id / "diff"
+    with gzip.open(storage_root() / "overlay-layers" / f"{layer_id}.tar-split.gz", "rt") as entries:
+        for line in entries:
+            entry = json.loads(line)
+            if entry["type"] == 2:  # a segment: header or padding bytes
+                out.write(base64.b64decode(entry.get("payload") or ""))
+            elif entry.get("size"):  # a file's content
+                name = entry.get("name") or base64.b64decode(entry["name_raw"]).decode("surrogateescape")
+                with open(diff / name, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 20)
+
+
+class _Counter(io.RawIOBase):
+    """Passes writes through, counting them: the layer must come out at its recorded size."""
+
+    def __init__(self, out: io.BufferedIOBase) -> None:
+        self.out, self.count = out, 0
+
+    def write(self, data: bytes) -> int:  # type: ignore[override]
+        self.out.write(data)
+        self.count += len(data)
+        return len(data)
+
+
+def import_into_containerd(paths: real_node.Paths, image: str, name: str, have: set[str]) -> int:
+    """Stream an OCI archive of a buildah image into `ctr images import`, with only the blobs
+    containerd lacks: the importer takes the rest from its content store (after a code change a
+    few megabytes move, not the gigabytes of torch). containerd checks every blob's digest.
     Returns the bytes of blobs sent."""
-    manifest = json.loads(blob_path(layout, entry["digest"]).read_text())
-    blobs = [entry["digest"], manifest["config"]["digest"], *[layer["digest"] for layer in manifest["layers"]]]
-    index = {"schemaVersion": 2, "manifests": [dict(entry, annotations={"io.containerd.image.name": name})]}
-    sent = 0
+    manifest, manifest_digest, config = stored_image(image)
+    layers = json.loads(manifest)["layers"]
+    folders = layer_folders()
+    entry = {"mediaType": json.loads(manifest).get("mediaType", "application/vnd.oci.image.manifest.v1+json"),
+             "digest": manifest_digest, "size": len(manifest), "annotations": {"io.containerd.image.name": name}}
+    small = {"oci-layout": b'{"imageLayoutVersion":"1.0.0"}',
+             "index.json": json.dumps({"schemaVersion": 2, "manifests": [entry]}).encode(),
+             f"blobs/{manifest_digest.replace(':', '/')}": manifest,
+             f"blobs/{json.loads(manifest)['config']['digest'].replace(':', '/')}": config}
     proc = subprocess.Popen(["ctr", "--address", str(paths.socket), "-n", real_node.K8S_NAMESPACE,
                              "images", "import", "-"], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
     assert proc.stdin is not None
+    sent = 0
     with tarfile.open(fileobj=proc.stdin, mode="w|") as tar:
-        for arcname, data in [("oci-layout", b'{"imageLayoutVersion":"1.0.0"}'),
-                              ("index.json", json.dumps(index).encode())]:
+        for arcname, data in small.items():
             info = tarfile.TarInfo(arcname)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-        for digest in blobs:
-            if digest not in have:
-                tar.add(blob_path(layout, digest), arcname=f"blobs/{digest.replace(':', '/')}")
-                sent += blob_path(layout, digest).stat().st_size
+        for layer in layers:
+            if layer["digest"] in have:
+                continue
+            # The member by hand (header, content, padding) through the archive's own stream:
+            # the content is generated, and tarfile would want it as a file.
+            info = tarfile.TarInfo(f"blobs/{layer['digest'].replace(':', '/')}")
+            info.size = layer["size"]
+            header = info.tobuf(tar.format, tar.encoding, tar.errors)
+            counter = _Counter(tar.fileobj)  # type: ignore[arg-type]
+            counter.write(header)
+            write_layer(folders[layer["digest"]], counter)  # type: ignore[arg-type]
+            if counter.count != len(header) + layer["size"]:
+                raise SystemExit(f"layer {layer['digest']} came out {counter.count - len(header)} bytes, "
+                                 f"not {layer['size']}")
+            counter.write(b"\0" * (-layer["size"] % tarfile.BLOCKSIZE))
+            tar.offset += counter.count
+            sent += layer["size"]
     proc.stdin.close()
     if proc.wait() != 0:
         raise SystemExit(f"ctr images import of {name} failed (exit {proc.returncode})")
     return sent
+
+
+IMAGE_ID_LABEL = "dev.tandem.buildah-image-id"
+
+
+def imported_id(paths: real_node.Paths, target: str) -> str | None:
+    """The buildah image ID the containerd image was imported from (a label we put on it)."""
+    out = real_node.ctr(paths, "images", "ls", f"name=={target}", check=False).stdout.decode()
+    for word in out.split():
+        if word.startswith(IMAGE_ID_LABEL + "="):
+            return word.split("=", 1)[1].split(",")[0]
+    return None
 
 
 def load(state: Path, only: list[str]) -> None:
@@ -271,15 +340,18 @@ def load(state: Path, only: list[str]) -> None:
                          "run `hack/cluster.sh up --real-node` first")
     for name in only:
         tag = IMAGES[name][1]
-        t0 = time.monotonic()
-        layout, entry = export_oci(tag)
         target = containerd_name(tag)
-        current = real_node.ctr(paths, "images", "ls", f"name=={target}").stdout.decode()
-        if entry["digest"] in current:
-            log(f"{target} unchanged ({entry['digest'][:19]}): not imported again")
+        built = image_id(tag)
+        if built is None:
+            raise SystemExit(f"no image {tag}: run `python3 hack/images.py build` first")
+        # Checked before the export: exporting the worker reads all of its gigabytes.
+        if imported_id(paths, target) == built:
+            log(f"{target} unchanged ({built[:12]}): not imported again")
             continue
+        t0 = time.monotonic()
         have = set(real_node.ctr(paths, "content", "ls", "-q").stdout.decode().split())
-        sent = import_into_containerd(paths, layout, entry, target, have)
+        sent = import_into_containerd(paths, built, target, have)
+        real_node.ctr(paths, "images", "label", target, f"{IMAGE_ID_LABEL}={built}")
         log(f"{target} imported in {time.monotonic() - t0:.0f}s ({sent / 2**20:.0f} MiB of new blobs)")
 
 

@@ -28,6 +28,7 @@ import io
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -63,7 +64,7 @@ NODE_LABELS = {
 # Host folders the kubelet, containerd or CNI create outside our state folder even when told where
 # to keep their state (hard-coded paths). `down` removes those that did not exist before `up`.
 HOST_PATHS = ["/var/lib/cni", "/var/log/containers", "/var/log/pods", "/run/containerd",
-              "/var/run/netns", "/var/lib/kubelet", "/etc/cni", "/opt/containerd"]
+              "/var/run/netns", "/var/lib/kubelet", "/opt/containerd"]
 # Kernel settings the kubelet (protectKernelDefaults: false sets them) and kube-proxy may change.
 SYSCTLS = ["net.ipv4.ip_forward", "net.ipv4.conf.all.route_localnet",
            "net.bridge.bridge-nf-call-iptables", "net.bridge.bridge-nf-call-ip6tables",
@@ -511,7 +512,8 @@ def remove_iptables_chains(baseline: dict) -> None:  # type: ignore[type-arg]
             if line.startswith("*"):
                 table = line[1:]
             elif line.startswith("-A ") and line not in before and _mentions_our_chain(line):
-                run(tool, "-t", table, "-D", *line.split()[1:], check=False)
+                # shlex: the kubelet's and kube-proxy's rules carry quoted comments.
+                run(tool, "-t", table, "-D", *shlex.split(line)[1:], check=False)
         for table_name, chain in _our_chains(tool):
             run(tool, "-t", table_name, "-F", chain, check=False)
         for table_name, chain in _our_chains(tool):
