@@ -368,6 +368,9 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
         "env": _env(router.env),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
+        # Imports and uvicorn start take tens of seconds on a busy node: liveness waits for the first answer
+        # (without this the e2e router was restarted before it had started).
+        "startupProbe": _probe("/health", 2, 90),
         "livenessProbe": _probe("/health", 10, 3),
         # Ready only with a usable prefill and a usable decode worker: until then the Service sends it nothing.
         "readinessProbe": _probe("/ready", 5, 3),

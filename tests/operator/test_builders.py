@@ -260,6 +260,9 @@ def test_router_is_ready_only_with_usable_workers_and_drains_before_it_is_killed
     c = pod["containers"][0]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}  # a prefill and a decode worker
     assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    # A slow start is not a dead router: liveness begins only after the startup probe has passed.
+    startup = c["startupProbe"]
+    assert startup["httpGet"]["path"] == "/health" and startup["periodSeconds"] * startup["failureThreshold"] >= 120
     sleep = c["lifecycle"]["preStop"]["sleep"]["seconds"]
     assert pod["terminationGracePeriodSeconds"] > sleep + int(flags(c["args"])["drain-timeout"])
 
