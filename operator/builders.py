@@ -221,6 +221,16 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
     return container
 
 
+def worker_security_context(spec: DisaggregatedModelSpec, resources: ResourceRequirements) -> Manifest:
+    """RDMA memory registration pins pages, which needs CAP_IPC_LOCK, and Kubernetes makes an added
+    capability effective only for root (the image runs as uid 65532): RDMA pods run as root with it.
+    Every other worker needs no privilege at all."""
+    rdma_listed = spec.kv_transfer.rdma_resource in {**resources.requests, **resources.limits}
+    if requests_rdma(spec) or rdma_listed:  # transport auto uses RDMA where a pod lists the device
+        return {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+
+
 def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, spec_fingerprint: str,
                         kv_keys_fingerprint: str | None = None) -> Manifest:
     """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on."""
@@ -265,8 +275,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}],
         "resources": _resources(pool_spec.resources, extended),
-        # RDMA memory registration pins pages, which needs IPC_LOCK.
-        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+        "securityContext": worker_security_context(spec, pool_spec.resources),
         "volumeMounts": mounts,
         # Loading weights can take minutes: the startup probe holds off liveness until /health answers.
         "startupProbe": _probe("/health", 10, 180),

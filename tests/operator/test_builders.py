@@ -127,11 +127,24 @@ def test_user_resources_are_kept_next_to_the_gpus() -> None:
     assert resources["limits"] == {"memory": "20Gi", "nvidia.com/gpu": "1", "rdma/hca": "1"}
 
 
-def test_worker_pod_has_ipc_lock_shared_memory_and_probes() -> None:
+def test_only_rdma_workers_get_root_and_ipc_lock() -> None:
+    """IPC_LOCK is effective only for root (the image runs as 65532): RDMA pods run as root with it,
+    every other worker with no privilege."""
+    unprivileged = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    rdma = {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+    for transport, expected in (("auto", unprivileged), ("tcp", unprivileged), ("rdma", rdma)):
+        spec = spec_of(kvTransfer={"transport": transport})
+        assert container(worker(spec, "decode"))["securityContext"] == expected, transport
+    # transport auto with the device listed by the user: RDMA may be used, so it may pin memory.
+    listed = spec_of(prefill={"resources": {"limits": {"rdma/rdma_shared_device_a": 1}}})
+    assert container(worker(listed, "prefill"))["securityContext"] == rdma
+    assert container(worker(listed, "decode"))["securityContext"] == unprivileged
+
+
+def test_worker_pod_has_shared_memory_and_probes() -> None:
     spec = spec_of(prefill={"shmSize": "2Gi"})
     pod = worker(spec, "prefill")["spec"]["template"]["spec"]
     c = pod["containers"][0]
-    assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
     assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "2Gi"}} in pod["volumes"]
     assert {"name": "shm", "mountPath": "/dev/shm"} in c["volumeMounts"]
     assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "http"}

@@ -77,7 +77,7 @@ def test_minimal_sample_becomes_ready_with_its_children(testbed: Bed,
     assert container["args"][:3] == ["worker", "--role", "prefill"]
     # transport auto (the sample's default) asks for no RDMA device: it schedules without the device plugin.
     assert container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
-    assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}  # no RDMA: no privilege
     managed = json.loads(testbed.kubectl("get", "deployment", "tiny-prefill", "-n", ns, "-o", "json",
                                          "--show-managed-fields").stdout)["metadata"]["managedFields"]
     assert [m["manager"] for m in managed if m["operation"] == "Apply"] == ["tandem-operator"]
