@@ -59,6 +59,12 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
         def torch_decode() -> torch.Tensor:
             keys, values = _gather(kv_cache, tables)  # each [nd, kv_heads, max_len, head_dim]
+            # Masked positions (the rest of a last block, padding blocks) hold whatever their last owner
+            # left there: a weight of 0 times a NaN there is NaN, so one failed request's NaN KV would
+            # spoil every stream that later shares a block with it. Zero them (the gather is a copy).
+            hidden = ~mask[:, 0, 0, :, None].unsqueeze(1)  # [nd, 1, max_len, 1]
+            keys.masked_fill_(hidden, 0.0)
+            values.masked_fill_(hidden, 0.0)
             attn = F.scaled_dot_product_attention(q[:nd].unsqueeze(2), keys, values, attn_mask=mask,
                                                   scale=scale, enable_gqa=True)
             return attn.squeeze(2)
