@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.worker.engine import EngineConfig, LLMEngine, SamplingParams
+from tandem.worker.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from tandem.worker.model.tiny import build_tokenizer, write_tiny_model
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -83,3 +83,17 @@ def random_prompts(lengths: tuple[int, ...], seed: int = 1, vocab: int = 512) ->
 
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def run_requests(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
+    """Add every request, step the engine until all finish, and return each request's outputs."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
+    for out in engine.iter_outputs():
+        outs[out.request_id].append(out)
+    return outs
+
+
+def tokens_of(outs: list[RequestOutput]) -> list[int]:
+    return [t for o in outs for t in o.new_token_ids]

@@ -10,28 +10,15 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.worker.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from tandem.worker.engine import EngineConfig, LLMEngine, SamplingParams
 from tandem.worker.engine.sampler import NAN_LOGITS, bad_logit_rows, bad_prob_rows, sample
 
-from .conftest import random_prompts
+from .conftest import random_prompts, run_requests, tokens_of
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), kv_cache_bytes=1 << 22))
-
-
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for out in engine.iter_outputs():
-        outs[out.request_id].append(out)
-    return outs
-
-
-def _tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 @pytest.mark.parametrize("temperature", [1e-50, 1e-30, 5e-324, 1e-6])
@@ -89,9 +76,9 @@ class _NotGreedy(SamplingParams):
 def test_engine_fails_one_request_and_finishes_the_others(engine: LLMEngine) -> None:
     a, b, c = random_prompts((10, 14, 7), seed=21)
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    alone = {rid: _tokens(_run(engine, {rid: (p, greedy)})[rid]) for rid, p in (("a", a), ("c", c))}
-    outs = _run(engine, {"a": (a, greedy), "bad": (b, _NotGreedy(1e-50)), "c": (c, greedy)})
-    assert _tokens(outs["a"]) == alone["a"] and _tokens(outs["c"]) == alone["c"]
+    alone = {rid: tokens_of(run_requests(engine, {rid: (p, greedy)})[rid]) for rid, p in (("a", a), ("c", c))}
+    outs = run_requests(engine, {"a": (a, greedy), "bad": (b, _NotGreedy(1e-50)), "c": (c, greedy)})
+    assert tokens_of(outs["a"]) == alone["a"] and tokens_of(outs["c"]) == alone["c"]
     [last] = outs["bad"]
     assert last.finished and last.finish_reason == "error" and last.error and not last.new_token_ids
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks  # its blocks were freed
@@ -101,7 +88,7 @@ def test_an_error_in_one_requests_bookkeeping_fails_it_alone(engine: LLMEngine, 
                                                             ) -> None:
     a, b = random_prompts((9, 11), seed=5)
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    expected = _tokens(_run(engine, {"a": (a, greedy)})["a"])
+    expected = tokens_of(run_requests(engine, {"a": (a, greedy)})["a"])
     real = LLMEngine._stop_reason
 
     def broken_for_b(self: LLMEngine, seq: Any, token: int) -> str | None:
@@ -110,8 +97,8 @@ def test_an_error_in_one_requests_bookkeeping_fails_it_alone(engine: LLMEngine, 
         return real(self, seq, token)
 
     monkeypatch.setattr(LLMEngine, "_stop_reason", broken_for_b)
-    outs = _run(engine, {"a": (a, greedy), "b": (b, greedy)})
-    assert _tokens(outs["a"]) == expected
+    outs = run_requests(engine, {"a": (a, greedy), "b": (b, greedy)})
+    assert tokens_of(outs["a"]) == expected
     assert outs["b"][-1].finish_reason == "error" and "RuntimeError" not in (outs["b"][-1].error or "")
     assert engine.stats().num_free_blocks == engine.stats().num_total_blocks
 
@@ -121,7 +108,7 @@ def test_a_batch_that_raises_is_sampled_row_by_row(engine: LLMEngine, monkeypatc
 
     a, b = random_prompts((9, 11), seed=6)
     greedy = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    expected = _tokens(_run(engine, {"a": (a, greedy)})["a"])
+    expected = tokens_of(run_requests(engine, {"a": (a, greedy)})["a"])
     real = llm_engine.sample
 
     def raises_with_b(logits: torch.Tensor, params: Any, generators: Any, default: torch.Generator) -> Any:
@@ -130,8 +117,8 @@ def test_a_batch_that_raises_is_sampled_row_by_row(engine: LLMEngine, monkeypatc
         return real(logits, params, generators, default)
 
     monkeypatch.setattr(llm_engine, "sample", raises_with_b)
-    outs = _run(engine, {"a": (a, greedy), "b": (b, SamplingParams(max_tokens=4, temperature=0))})
-    assert _tokens(outs["a"]) == expected
+    outs = run_requests(engine, {"a": (a, greedy), "b": (b, SamplingParams(max_tokens=4, temperature=0))})
+    assert tokens_of(outs["a"]) == expected
     assert outs["b"][-1].finish_reason == "error"
 
 

@@ -11,25 +11,12 @@ import torch
 from tandem.worker.engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from tandem.worker.engine.sampler import sample
 
-from .conftest import random_prompts
+from .conftest import random_prompts, run_requests, tokens_of
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model_dir=str(tiny_model_dir), kv_cache_bytes=1 << 22))
-
-
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[RequestOutput]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outs: dict[str, list[RequestOutput]] = {rid: [] for rid in requests}
-    for out in engine.iter_outputs():
-        outs[out.request_id].append(out)
-    return outs
-
-
-def _tokens(outs: list[RequestOutput]) -> list[int]:
-    return [t for o in outs for t in o.new_token_ids]
 
 
 def _text(outs: list[RequestOutput]) -> str:
@@ -39,22 +26,22 @@ def _text(outs: list[RequestOutput]) -> str:
 def test_seeded_sampling_is_reproducible_whatever_the_batch(engine: LLMEngine) -> None:
     prompt, other = random_prompts((12, 30), seed=2)
     params = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
-    alone = _tokens(_run(engine, {"a": (prompt, params)})["a"])
+    alone = tokens_of(run_requests(engine, {"a": (prompt, params)})["a"])
     noise = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
-    batched = _run(engine, {"x": (other, noise), "b": (prompt, params), "y": (other[:5], noise)})
-    assert _tokens(batched["b"]) == alone
-    different = _tokens(_run(engine, {"c": (prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=99,
+    batched = run_requests(engine, {"x": (other, noise), "b": (prompt, params), "y": (other[:5], noise)})
+    assert tokens_of(batched["b"]) == alone
+    different = tokens_of(run_requests(engine, {"c": (prompt, SamplingParams(max_tokens=16, temperature=1.0, seed=99,
                                                                     ignore_eos=True))})["c"])
     assert different != alone
 
 
 def test_top_k_1_and_tiny_top_p_equal_greedy(engine: LLMEngine) -> None:
     [prompt] = random_prompts((20,), seed=4)
-    greedy = _tokens(_run(engine, {"g": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))})["g"])
+    greedy = tokens_of(run_requests(engine, {"g": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))})["g"])
     for i, params in enumerate([SamplingParams(max_tokens=10, temperature=1.5, top_k=1, ignore_eos=True),
                                 SamplingParams(max_tokens=10, temperature=1.0, top_p=1e-6, ignore_eos=True),
                                 SamplingParams(max_tokens=10, temperature=1.0, min_p=1.0, ignore_eos=True)]):
-        assert _tokens(_run(engine, {f"r{i}": (prompt, params)})[f"r{i}"]) == greedy, params
+        assert tokens_of(run_requests(engine, {f"r{i}": (prompt, params)})[f"r{i}"]) == greedy, params
 
 
 def test_filters_keep_only_allowed_tokens() -> None:
@@ -86,7 +73,7 @@ def test_logprobs_are_the_models_log_softmax() -> None:
 
 def test_engine_returns_one_logprob_per_token(engine: LLMEngine) -> None:
     [prompt] = random_prompts((9,), seed=11)
-    outs = _run(engine, {"lp": (prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=True,
+    outs = run_requests(engine, {"lp": (prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=True,
                                                        ignore_eos=True))})["lp"]
     lps = [lp for o in outs for lp in (o.logprobs or [])]
     assert len(lps) == 5 and all(-math.inf < lp <= 0 for lp in lps)
@@ -94,12 +81,12 @@ def test_engine_returns_one_logprob_per_token(engine: LLMEngine) -> None:
 
 def test_stop_string_cuts_exactly_and_streams_consistently(engine: LLMEngine) -> None:
     [prompt] = random_prompts((15,), seed=12)
-    free_run = _run(engine, {"full": (prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})
+    free_run = run_requests(engine, {"full": (prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))})
     full_text = _text(free_run["full"])
     assert len(full_text) > 20
     stop = full_text[12:15]
     cut = full_text.index(stop)
-    stopped = _run(engine, {"s": (prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop],
+    stopped = run_requests(engine, {"s": (prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop],
                                                          ignore_eos=True))})["s"]
     assert _text(stopped) == full_text[:cut]
     assert stopped[-1].finished and stopped[-1].finish_reason == "stop"
@@ -109,26 +96,26 @@ def test_stop_string_cuts_exactly_and_streams_consistently(engine: LLMEngine) ->
 
 def test_stop_token_ids_and_max_tokens(engine: LLMEngine) -> None:
     [prompt] = random_prompts((15,), seed=13)
-    full = _tokens(_run(engine, {"f": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))})["f"])
+    full = tokens_of(run_requests(engine, {"f": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))})["f"])
     target = full[4]
     first = full.index(target)
-    outs = _run(engine, {"t": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+    outs = run_requests(engine, {"t": (prompt, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
                                                       stop_token_ids=[target]))})["t"]
-    assert _tokens(outs) == full[: first + 1]
+    assert tokens_of(outs) == full[: first + 1]
     assert outs[-1].finish_reason == "stop"
-    outs = _run(engine, {"m": (prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))})["m"]
-    assert _tokens(outs) == full[:3] and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
+    outs = run_requests(engine, {"m": (prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))})["m"]
+    assert tokens_of(outs) == full[:3] and outs[-1].finish_reason == "length" and outs[-1].num_output_tokens == 3
 
 
 def test_eos_stops_unless_ignored(engine: LLMEngine) -> None:
     [prompt] = random_prompts((15,), seed=14)
-    full = _tokens(_run(engine, {"f": (prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))})["f"])
+    full = tokens_of(run_requests(engine, {"f": (prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))})["f"])
     engine.tokenizer.eos_token_ids.add(full[2])  # pretend the third token is an end-of-sequence token
     try:
-        outs = _run(engine, {"e": (prompt, SamplingParams(max_tokens=8, temperature=0))})["e"]
+        outs = run_requests(engine, {"e": (prompt, SamplingParams(max_tokens=8, temperature=0))})["e"]
     finally:
         engine.tokenizer.eos_token_ids.discard(full[2])
-    assert _tokens(outs) == full[: full.index(full[2]) + 1] and outs[-1].finish_reason == "stop"
+    assert tokens_of(outs) == full[: full.index(full[2]) + 1] and outs[-1].finish_reason == "stop"
 
 
 @pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-1),
