@@ -62,7 +62,11 @@ def log(msg: str, t0: float = time.monotonic()) -> None:
 
 
 def run(*argv: str, capture: bool = True, input: bytes | None = None) -> str:
-    proc = subprocess.run(list(argv), capture_output=capture, input=input)
+    """Run a tool; uncaptured, its output goes to our stderr (stdout is for results callers parse)."""
+    if capture:
+        proc = subprocess.run(list(argv), capture_output=True, input=input)
+    else:
+        proc = subprocess.run(list(argv), stdout=sys.stderr, input=input)
     if proc.returncode != 0:
         err = proc.stderr.decode(errors="replace")[-4000:] if capture else ""
         raise SystemExit(f"failed ({proc.returncode}): {' '.join(argv)}\n{err}")

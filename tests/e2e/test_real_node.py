@@ -100,11 +100,12 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     model = make_model(tmp_path_factory.mktemp("e2e-model"))
     proc = subprocess.run([str(REPO / "hack" / "e2e.sh"), "--model", str(model), "--keep", "--state", str(state)],
                           capture_output=True, text=True)
-    if proc.returncode != 0:
-        if not owner:
+    router_line = (proc.stdout.strip().splitlines() or [""])[-1]
+    if proc.returncode != 0 or not router_line.startswith("router: http://127.0.0.1:"):
+        if not owner:  # leave nothing running behind a failed setup
             subprocess.run([str(REPO / "hack" / "cluster.sh"), "down", "--state", str(state)], capture_output=True)
-        pytest.fail(f"hack/e2e.sh failed ({proc.returncode}):\n{proc.stderr[-8000:]}", pytrace=False)
-    assert proc.stdout.strip().startswith("router: http://127.0.0.1:"), proc.stdout
+        pytest.fail(f"hack/e2e.sh failed ({proc.returncode}); its last output line {router_line!r}:\n"
+                    f"{proc.stderr[-8000:]}", pytrace=False)
     info = json.loads((state / "e2e.json").read_text())
     yield Setup(info, dict(os.environ, KUBECONFIG=info["kubeconfig"]))
     if owner:
