@@ -16,7 +16,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,6 +23,8 @@ import time
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+
+from tandem.worker.server.ports import free_port  # run with the test venv, which has Tandem
 
 REPO = Path(__file__).resolve().parent.parent
 INSTALL_AND_START_S = 1200  # a first install downloads torch (GBs): generous, but bounded
@@ -36,12 +37,6 @@ class CheckFailed(Exception):
 
 def say(msg: str) -> None:
     print(f"[install-check] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def copy_checkout(dest: Path) -> None:

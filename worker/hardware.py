@@ -10,7 +10,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+from tandem.worker.config import DTYPES
+
 # vLLM's spellings of the same dtypes (`vllm serve --dtype half`).
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 DTYPE_CHOICES = ("auto", *DTYPES, *DTYPE_ALIASES)

@@ -49,10 +49,10 @@ class LLMEngine:
         self.model_name = model_config.name
         self.tokenizer = Tokenizer(cfg.model_dir, extra_eos_ids=model_config.eos_token_ids)
         report("config", 1.0)
-        free_before_load = free_memory_bytes(self.device) if cfg.memory_utilization is not None else 0
+        share_of_memory = cfg.memory_utilization is not None  # then the weights count against the KV budget
+        free_before_load = free_memory_bytes(self.device) if share_of_memory else 0
         self.model = load_model(cfg.model_dir, cfg.dtype, cfg.device, progress=report)
-        # By storage, so tied embeddings count once.
-        weight_bytes = sum({t.data_ptr(): t.numel() * t.element_size() for t in self.model.state_dict().values()}.values())
+        weight_bytes = _weight_bytes(self.model) if share_of_memory else 0
         self.kv_layout = KVLayout(model=self.model_name, dtype=cfg.dtype, block_size=cfg.block_size,
                                   num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
                                   head_dim=model_config.head_dim)
@@ -396,3 +396,8 @@ class LLMEngine:
         writes = [LayerWrite(s.request_id, s.block_table[s.num_computed_tokens // bs: blocks_for(s.num_computed_tokens + n, bs)],
                              s.num_computed_tokens, s.num_computed_tokens + n) for s, n in scheduled]
         return lambda layer: callback(layer, writes)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the loaded weights, by storage, so tied embeddings count once."""
+    return sum({t.data_ptr(): t.numel() * t.element_size() for t in model.state_dict().values()}.values())
