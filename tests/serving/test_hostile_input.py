@@ -20,14 +20,13 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
 import pytest
 
 from .conftest import Stack, metric_value, wait_until_disaggregated
-from .test_router_robustness import router_procs, start_router  # noqa: F401 (fixtures, used by name)
+from .test_router_robustness import ScriptedHandler, router_procs, serve_scripted, start_router  # noqa: F401 (fixtures, used by name)
 
 pytestmark = pytest.mark.integration
 
@@ -275,10 +274,7 @@ class FailingWorker:
         self.calls: Counter[str] = Counter()
         worker = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(ScriptedHandler):
             def do_GET(self) -> None:
                 self._json(worker.info() if self.path == "/info" else {"error": {"message": "no"}},
                            200 if self.path == "/info" else 404)
@@ -298,19 +294,7 @@ class FailingWorker:
                 else:
                     self._json({})
 
-            def _json(self, data: Any, status: int = 200) -> None:
-                self._send(json.dumps(data).encode(), "application/json", status)
-
-            def _send(self, payload: bytes, ctype: str, status: int = 200) -> None:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_scripted(Handler)
 
     def info(self) -> dict[str, Any]:
         return {"api_version": 3, "model": "tiny", "role": self.role, "pool": "local", "layout_hash": "fake",

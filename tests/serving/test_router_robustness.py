@@ -25,6 +25,30 @@ import pytest
 
 from .conftest import free_port
 
+
+class ScriptedHandler(BaseHTTPRequestHandler):
+    """A scripted worker's HTTP side: quiet, answering JSON or ndjson of a known length."""
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _json(self, data: Any, status: int = 200) -> None:
+        self._send(json.dumps(data).encode(), "application/json", status)
+
+    def _send(self, payload: bytes, ctype: str, status: int = 200) -> None:
+        self.send_response(status)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        self.wfile.write(payload)
+
+
+def serve_scripted(handler: type[BaseHTTPRequestHandler]) -> tuple[ThreadingHTTPServer, str]:
+    """Serve `handler` on a free 127.0.0.1 port in a daemon thread; the server and its URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
+
 pytestmark = pytest.mark.integration
 
 FIRST_TOKEN = 65
@@ -42,10 +66,7 @@ class FakeWorker:
         self.prompt_tokens: list[int] = []
         worker = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args: Any) -> None:
-                pass
-
+        class Handler(ScriptedHandler):
             def do_GET(self) -> None:
                 if self.path == "/info":
                     self._json(worker.info())
@@ -87,19 +108,7 @@ class FakeWorker:
                 last = {"token_ids": [FIRST_TOKEN] * (tokens - 1), "finished": True, "finish_reason": "length"}
                 self.wfile.write(json.dumps(last).encode() + b"\n")
 
-            def _json(self, data: Any, status: int = 200) -> None:
-                self._send(json.dumps(data).encode(), "application/json", status)
-
-            def _send(self, payload: bytes, ctype: str, status: int = 200) -> None:
-                self.send_response(status)
-                self.send_header("content-type", ctype)
-                self.send_header("content-length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_scripted(Handler)
 
     def info(self) -> dict[str, Any]:
         return {"model": "tiny", "role": self.role, "pool": "local", "layout_hash": "fake", "kv_address": None,
