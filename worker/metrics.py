@@ -104,6 +104,20 @@ FALLBACK_PREFILLS = MetricDef(f"{PREFIX}_fallback_prefills", "counter",
 MIGRATIONS = MetricDef(f"{PREFIX}_migrations", "counter",
                        "Requests moved to another decode worker mid-stream (router).")
 
+# --- router edge (the router only) ---
+ROUTER_AUTH_FAILURES = MetricDef(f"{PREFIX}_router_auth_failures", "counter",
+                                 "Requests refused with 401: no API key (reason missing) or a wrong one (invalid).",
+                                 labels=(*COMMON_LABELS, LABEL_REASON))
+ROUTER_OVERLOADED = MetricDef(f"{PREFIX}_router_overloaded_requests", "counter",
+                              "Requests refused with 429 because the router was full: every place taken "
+                              "(queue_full) or no running slot freed in time (queue_timeout).",
+                              labels=(*COMMON_LABELS, LABEL_REASON))
+ROUTER_ACTIVE_REQUESTS = MetricDef(f"{PREFIX}_router_active_requests", "gauge",
+                                   "Requests holding one of the router's running slots (--max-concurrent-requests).")
+ROUTER_QUEUED_REQUESTS = MetricDef(f"{PREFIX}_router_queued_requests", "gauge",
+                                   "Admitted requests not yet holding a running slot: reading their body, being "
+                                   "tokenized or waiting (--max-queued-requests).")
+
 # --- worker health ---
 WORKER_READY = MetricDef(f"{PREFIX}_worker_ready", "gauge", "1 when the worker accepts requests.")
 

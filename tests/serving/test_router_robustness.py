@@ -129,7 +129,9 @@ def start_router(tiny_model: Path, tmp_path: Path,
     started: list[tuple[subprocess.Popen[bytes], FakeWorker | None]] = []
     workers: list[FakeWorker] = []
 
-    def start(prefill: list[FakeWorker], decode: list[FakeWorker], *args: str, wait_ready: bool = True) -> str:
+    def start(prefill: list[FakeWorker], decode: list[FakeWorker], *args: str, wait_ready: bool = True,
+              verify: Any = True) -> str:
+        """The router's URL: https with --ssl-certfile in `args` (`verify`: what trusts its certificate)."""
         port = free_port()
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--port", str(port), "--model", str(tiny_model),
                 *(x for w in prefill for x in ("--prefill", w.url)), *(x for w in decode for x in ("--decode", w.url)),
@@ -138,13 +140,13 @@ def start_router(tiny_model: Path, tmp_path: Path,
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
         started.append((popen, None))
         workers.extend(prefill + decode)
-        url = f"http://127.0.0.1:{port}"
+        url = f"{'https' if '--ssl-certfile' in args else 'http'}://127.0.0.1:{port}"
         router_procs[url] = popen
         limit = time.monotonic() + 60
         while time.monotonic() < limit:
             assert popen.poll() is None, (tmp_path / f"router-{port}.log").read_text()
             try:
-                if httpx.get(f"{url}/{'ready' if wait_ready else 'health'}", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/{'ready' if wait_ready else 'health'}", timeout=2, verify=verify).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass

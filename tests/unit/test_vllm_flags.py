@@ -26,7 +26,7 @@ def test_help_shows_the_vllm_spellings(command) -> None:  # type: ignore[no-unty
 @pytest.mark.parametrize(("args", "reason"), [
     (["--trust-remote-code"], "no code is loaded from a model"),
     (["--quantization", "awq"], "quantized weights are not supported yet"),
-    (["--api-key", "k"], "no authentication yet"),
+    (["--ssl-certfile", "c"], "`tandem router --ssl-certfile --ssl-keyfile` serves HTTPS"),
 ])
 def test_unsupported_vllm_flags_are_refused_with_the_reason(command, args: list[str], reason: str,  # type: ignore[no-untyped-def]
                                                             tmp_path: Path) -> None:

@@ -93,6 +93,11 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="Per-request deadline enforced by the router.")
 @click.option("--stall-timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
               help="The router counts a worker silent this long mid-request as lost (the request migrates).")
+@click.option("--api-key", "api_keys", multiple=True, envvar="TANDEM_API_KEY",
+              help="A key clients must send as `Authorization: Bearer KEY` (repeatable; or $TANDEM_API_KEY, keys "
+                   "separated by spaces). The router gets it through its environment, not its command line.")
+@click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="A file of API keys, one a line; the router re-reads it when it changes.")
 @click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
 @refuse_unsupported_vllm_flags
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
@@ -101,7 +106,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
             max_num_seqs: int | None, max_num_batched_tokens: int | None, seed: int | None, chat_template: Path | None,
             log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
-            prefill_fault: str | None) -> None:
+            prefill_fault: str | None, api_keys: tuple[str, ...], api_key_file: Path | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
@@ -123,7 +128,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          device=choice.device, block_size=block_size, max_model_len=max_model_len,
                          kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, seed=seed, chat_template=chat_template, log_dir=log_dir, prefill_fault=prefill_fault,
-                         request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys)
+                         request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys,
+                         api_keys=tuple(k for value in api_keys for k in value.split()), api_key_file=api_key_file)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):
@@ -140,7 +146,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                 stack.write_state(state_file)
             console.print(f"[bold green]ready:[/bold green] OpenAI API at [bold]{stack.url}/v1[/bold] "
                           f"(model {spec.model_name!r}, mode {mode}); logs in {log_dir}; Ctrl-C stops everything")
-            console.print(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json' "
+            auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if api_keys or api_key_file else ""
+            console.print(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json'{auth} "
                           f"-d '{{\"model\": \"{spec.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
             code = _watch(stack, console, stop)
     finally:

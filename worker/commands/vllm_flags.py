@@ -28,14 +28,15 @@ UNSUPPORTED: dict[str, tuple[bool, str]] = {
     "--enable-lora": (False, "LoRA adapters are not supported yet"),
     "--lora-modules": (True, "LoRA adapters are not supported yet"),
     "--speculative-config": (True, "speculative decoding is not supported yet"),
-    "--api-key": (True, "the router has no authentication yet: put it behind a gateway that checks keys"),
     "--swap-space": (True, "KV blocks are never swapped to host memory"),
     "--cpu-offload-gb": (True, "weights are never offloaded to host memory"),
     "--enable-auto-tool-choice": (False, "tool calls are not supported yet"),
     "--tool-call-parser": (True, "tool calls are not supported yet"),
     "--reasoning-parser": (True, "reasoning parsers are not supported yet"),
-    "--ssl-keyfile": (True, "the router serves plain HTTP: terminate TLS in front of it"),
-    "--ssl-certfile": (True, "the router serves plain HTTP: terminate TLS in front of it"),
+    "--ssl-keyfile": (True, "`tandem serve` serves plain HTTP on this machine; `tandem router --ssl-certfile "
+                      "--ssl-keyfile` serves HTTPS"),
+    "--ssl-certfile": (True, "`tandem serve` serves plain HTTP on this machine; `tandem router --ssl-certfile "
+                       "--ssl-keyfile` serves HTTPS"),
 }
 
 

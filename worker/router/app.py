@@ -24,9 +24,17 @@ from starlette.types import Receive, Scope, Send
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
 from tandem.worker.router import errors
+from tandem.worker.router.auth import ApiKeyMiddleware, ApiKeys
 from tandem.worker.router.discovery import Discovery
 from tandem.worker.router.dispatch import DECODE_ROLES, PREFILL_ROLES, Dispatcher, TokenEvent
 from tandem.worker.router.errors import APIError
+from tandem.worker.router.limits import (
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    DEFAULT_MAX_QUEUED_REQUESTS,
+    DEFAULT_QUEUE_TIMEOUT_S,
+    Admission,
+    Ticket,
+)
 from tandem.worker.router.openai_api import (
     ChatRequest,
     CompletionRequest,
@@ -60,6 +68,10 @@ class RouterConfig:
     poll_interval: float = 0.5
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat_template: str | None = None  # replaces the model's chat template (--chat-template)
+    api_keys: ApiKeys | None = None  # --api-key: every route but the probes and /metrics needs one
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # see limits.Admission
+    max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
 
 
 class RouterState:
@@ -68,6 +80,7 @@ class RouterState:
         self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval)
         self.telemetry = RouterTelemetry(cfg.model_name)
         self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout)
+        self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout)
         self._tokenizer: Tokenizer | None = None
         self.chars_per_token: float | None = None  # see tokens.chars_per_token_bound
         self._tok_lock = asyncio.Lock()
@@ -142,6 +155,9 @@ def create_app(cfg: RouterConfig) -> FastAPI:
 
     app = FastAPI(title="tandem router", lifespan=lifespan)
     app.state.router = state
+    if cfg.api_keys is not None and cfg.api_keys.enabled:
+        app.add_middleware(ApiKeyMiddleware, keys=cfg.api_keys,
+                           refused=lambda reason: state.telemetry.inc(m.ROUTER_AUTH_FAILURES, reason=reason))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -189,6 +205,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         state.learn_model()
+        state.telemetry.set(m.ROUTER_ACTIVE_REQUESTS, state.admission.running)
+        state.telemetry.set(m.ROUTER_QUEUED_REQUESTS, state.admission.queued)
         return Response(state.telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -220,7 +238,29 @@ def _worker_counts(state: RouterState) -> dict[str, int]:
 
 
 async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
+    """A place in admission first (429 when full, before the body is read); the running slot once the
+    prompt is tokenized; both given back when the answer is complete (a stream's, when it closes)."""
     arrival = time.monotonic()
+    try:
+        ticket = state.admission.enter()
+    except APIError:
+        state.telemetry.inc(m.ROUTER_OVERLOADED, reason="queue_full")
+        state.telemetry.inc(m.REQUESTS, reason="error")
+        raise
+    try:
+        response = await _serve_admitted(state, request, chat, ticket, arrival)
+    except BaseException:
+        ticket.release()
+        raise
+    if isinstance(response, _EventStream):
+        response.ticket = ticket
+    else:
+        ticket.release()
+    return response
+
+
+async def _serve_admitted(state: RouterState, request: Request, chat: bool, ticket: Ticket,
+                          arrival: float) -> Response:
     deadline = arrival + state.cfg.request_timeout
     try:
         raw = await _read_body(request, state.cfg.max_request_bytes, deadline)
@@ -243,6 +283,12 @@ async def _serve(state: RouterState, request: Request, chat: bool) -> Response:
         sampling = sampling_from(req, max_tokens, want_logprobs)
     except APIError:
         state.telemetry.inc(m.REQUESTS, reason="error")  # refused before it started: counted all the same
+        raise
+    try:
+        await ticket.start(deadline)
+    except APIError:
+        state.telemetry.inc(m.ROUTER_OVERLOADED, reason="queue_timeout")
+        state.telemetry.inc(m.REQUESTS, reason="error")
         raise
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
@@ -435,6 +481,7 @@ class _EventStream(StreamingResponse):
     def __init__(self, body: AsyncIterator[bytes], events: AsyncIterator[TokenEvent], deadline: float) -> None:
         super().__init__(body, media_type="text/event-stream", headers={"cache-control": "no-cache"})
         self.events, self.deadline = events, deadline
+        self.ticket: Ticket | None = None  # the request's admission, given back when the stream ends
 
     async def stream_response(self, send: Send) -> None:
         with anyio.move_on_after(max(0.0, self.deadline + STALLED_CLIENT_GRACE_S - time.monotonic())) as scope:
@@ -449,3 +496,5 @@ class _EventStream(StreamingResponse):
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
                 await self.events.aclose()  # type: ignore[attr-defined]
+            if self.ticket is not None:
+                self.ticket.release()

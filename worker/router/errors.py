@@ -2,26 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fastapi.responses import JSONResponse
+if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. Retry-After on a 429, WWW-Authenticate on a 401
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        from fastapi.responses import JSONResponse  # here: `tandem router --help` imports this module
+
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

@@ -17,10 +17,13 @@ from collections import defaultdict
 from tandem.worker import metrics as m
 from tandem.worker.server.telemetry import Telemetry
 
-ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS)
+ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS,
+                  m.ROUTER_AUTH_FAILURES, m.ROUTER_OVERLOADED, m.ROUTER_ACTIVE_REQUESTS, m.ROUTER_QUEUED_REQUESTS)
 # tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
 # or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
 FINISH_REASONS = ("stop", "length", "error")
+AUTH_FAILURE_REASONS = ("missing", "invalid")  # tandem_router_auth_failures_total (auth.ApiKeyMiddleware)
+OVERLOAD_REASONS = ("queue_full", "queue_timeout")  # tandem_router_overloaded_requests_total (limits)
 
 
 class RouterTelemetry:
@@ -37,6 +40,9 @@ class RouterTelemetry:
             return
         t = Telemetry(model_name, "router", "router", ROUTER_METRICS)
         t.initialise_all(FINISH_REASONS)
+        for d, reasons in ((m.ROUTER_AUTH_FAILURES, AUTH_FAILURE_REASONS), (m.ROUTER_OVERLOADED, OVERLOAD_REASONS)):
+            for reason in reasons:
+                t.initialise(d, reason=reason)
         for (d, extra), amount in self._early_counts.items():
             t.inc(d, amount, **dict(extra))
         self._early_counts.clear()
@@ -47,6 +53,11 @@ class RouterTelemetry:
             self._t.inc(d, amount, **extra)
         elif amount > 0:
             self._early_counts[(d, tuple(sorted(extra.items())))] += amount
+
+    def set(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        # Gauges are set when /metrics is rendered: before the name is known there is nothing to render.
+        if self._t is not None:
+            self._t.set(d, value, **extra)
 
     def observe(self, d: m.MetricDef, value: float, **extra: str) -> None:
         # Latencies exist only for requests that passed the model check, which binds the name first.

@@ -26,15 +26,38 @@ from tandem.worker.server.protocol import (
 from tandem.worker.server.worker import Rejected, WorkerServer
 
 NDJSON = "application/x-ndjson"
+# Largest control-API body: a /decode carries the prompt's and the generated token ids, under 10 bytes
+# each in JSON, so 32 MiB is millions of tokens; a bigger body is refused before it is read into memory.
+MAX_BODY_BYTES = 32 << 20
 
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+def _too_large() -> Rejected:
+    return Rejected(413, f"the request body is larger than this worker's limit of {MAX_BODY_BYTES} bytes")
+
+
+async def _body(request: Request) -> bytes:
+    """The request body, or 413 as soon as it is known to pass MAX_BODY_BYTES (by its length or while read)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise _too_large()
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise _too_large()
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 async def _parse(request: Request, model: type[BaseModel]) -> Any:
+    body = await _body(request)
     try:
-        return model.model_validate_json(await request.body())
+        return model.model_validate_json(body)
     except ValidationError as exc:
         raise Rejected(400, f"invalid {model.__name__}: {exc.errors()[0]['msg']} at "
                        f"{'.'.join(str(p) for p in exc.errors()[0]['loc'])}") from None

@@ -32,6 +32,7 @@ class Proc:
     log_path: Path
     kv_port: int | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    env: dict[str, str] = field(default_factory=dict, repr=False)  # added to the supervisor's environment
 
     @property
     def pid(self) -> int | None:
@@ -72,6 +73,8 @@ class StackSpec:
     request_timeout: float = 600.0  # the router's per-request deadline
     stall_timeout: float = 60.0  # the router's patience with a silent worker mid-request
     kv_keys: Path | None = None  # secure KV transfer: the keypair folder every worker gets (--kv-keys)
+    api_keys: tuple[str, ...] = ()  # the router's API keys: in its environment (TANDEM_API_KEY), not its argv
+    api_key_file: Path | None = None  # the router's --api-key-file
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -140,14 +143,17 @@ class LocalStack:
             argv += ["--chat-template", str(s.chat_template)]
         for p in self.workers:
             argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
-        self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log"))
+        if s.api_key_file is not None:
+            argv += ["--api-key-file", str(s.api_key_file)]
+        env = {"TANDEM_API_KEY": " ".join(s.api_keys)} if s.api_keys else {}
+        self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log", env=env))
 
     def start(self) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for p in self.procs:
             with p.log_path.open("wb") as log:
                 p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env=env, start_new_session=True)
+                                           env={**env, **p.env}, start_new_session=True)
 
     def poll_ready(self, client: httpx.Client) -> dict[str, tuple[bool, float]]:
         """name -> (ready, load progress 0..1). Raises RuntimeError when a worker reports a failed load."""
