@@ -416,8 +416,29 @@ class RouterServiceSpec(ApiModel):
     port: int = Field(default=8000, ge=1, le=65535, description="Service port; the API is at http://<name>.<namespace>.svc:<port>/v1.")
 
 
+class SecretKeyRef(ApiModel):
+    """One key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+                      description="The Secret's name.")
+    key: str = Field(default="api-key", min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="The key in the Secret whose value is used.")
+
+
+API_KEY_ENV = "TANDEM_API_KEY"  # where `tandem router` reads its API keys (spec.router.apiKeySecret)
+
+
 class RouterSpec(ApiModel):
     """The OpenAI-compatible router."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"!has(self.apiKeySecret) || !has(self.env) || !self.env.exists(e, e.name == '{API_KEY_ENV}')",
+            message=f"apiKeySecret sets {API_KEY_ENV}: env must not set it too",
+            check=lambda r: r.api_key_secret is None or all(e.name != API_KEY_ENV for e in r.env),
+            field_path=".env",
+        ),
+    )
 
     replicas: int = Field(default=1, ge=0, le=100, description="Router pods.")
     node_selector: NodeSelector = Field(default=None, description="Node labels to require.")
@@ -426,6 +447,14 @@ class RouterSpec(ApiModel):
     env: EnvList = Field(default_factory=list, max_length=64, description="Extra environment variables.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem router`.")
     service: RouterServiceSpec = Field(default_factory=lambda: RouterServiceSpec(), description="The router's Service.")
+    api_key_secret: SecretKeyRef | None = Field(
+        default=None,
+        description="A Secret key holding the API keys clients must send as `Authorization: Bearer <key>` on every "
+        "route but /health, /ready and /metrics: one key, or several separated by whitespace, all valid at once. "
+        f"The router reads it from the environment variable {API_KEY_ENV}. To rotate: put the new key beside the "
+        "old one, restart the routers (kubectl rollout restart deployment/<name>-router), move clients, then drop "
+        "the old key and restart again. Unset: the router asks no key (anyone who reaches its Service may use it).",
+    )
 
 
 # ---------------------------------------------------------------- objectives

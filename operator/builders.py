@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.operator.api import (
+    API_KEY_ENV,
     API_VERSION,
     KIND,
     POOL_KIND,
@@ -21,6 +22,7 @@ from tandem.operator.api import (
     EnvVar,
     PoolName,
     ResourceRequirements,
+    RouterSpec,
     Toleration,
 )
 from tandem.worker.kv.keys import KVKeys
@@ -374,7 +376,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": args,
-        "env": _env(router.env),
+        "env": _env(router.env) + router_api_key_env(router),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
         # Imports and uvicorn start take tens of seconds on a busy node: liveness waits for the first answer
@@ -404,6 +406,15 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
         "spec": pod_spec,
     }
     return _deployment(owner, "router", replicas, template)
+
+
+def router_api_key_env(router: RouterSpec) -> list[Manifest]:
+    """spec.router.apiKeySecret: the router reads its API keys from the Secret through an env var (never its args,
+    which `kubectl get pod -o yaml` and `ps` show)."""
+    ref = router.api_key_secret
+    if ref is None:
+        return []
+    return [{"name": API_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}}]
 
 
 def router_service(owner: Owner, spec: DisaggregatedModelSpec) -> Manifest:

@@ -106,6 +106,26 @@ def test_tandem_serve_passes_its_key_to_the_router_off_the_command_line(start_st
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
 
 
+def test_the_operator_s_api_key_secret_reaches_the_router(start_router: Callable[..., str],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router container the operator builds for spec.router.apiKeySecret, its env resolved as the kubelet
+    would from the Secret: the real router asks for exactly the Secret's keys."""
+    from tandem.operator import builders
+    from tandem.operator.api import DisaggregatedModelSpec
+
+    spec = DisaggregatedModelSpec.model_validate({"model": {"name": "tiny", "source": {"path": "/models/tiny"}},
+                                                  "router": {"apiKeySecret": {"name": "tiny-api-keys"}}})
+    secret = {"tiny-api-keys": {"api-key": f"{KEYS[0]}\n{KEYS[1]}\n"}}  # two keys, mid-rotation
+    pod = builders.router_deployment(builders.Owner("tiny", "serving", "uid"), spec, 1)["spec"]["template"]["spec"]
+    for var in pod["containers"][0]["env"]:
+        if ref := var.get("valueFrom", {}).get("secretKeyRef"):
+            monkeypatch.setenv(var["name"], secret[ref["name"]][ref["key"]])
+    url = start_router([], [FakeWorker("both")])
+    assert complete(client(url, KEYS[0])) and complete(client(url, KEYS[1]))
+    with pytest.raises(openai.AuthenticationError):
+        complete(client(url, "sk-anyone"))
+
+
 # ---------------------------------------------------------------- TLS
 
 
