@@ -26,6 +26,7 @@ from tandem.operator.api import (
     Toleration,
 )
 from tandem.worker.kv.keys import KVKeys
+from tandem.worker.server import control_token
 
 Manifest = dict[str, Any]
 
@@ -48,6 +49,15 @@ KV_KEYS_FINGERPRINT_ANNOTATION = "tandem.dev/kv-keys-fingerprint"
 # The Secret's keys, which become the files of the mounted folder (tandem.worker.transfer.security's
 # PUBLIC_FILE and SECRET_FILE; a unit test keeps them equal).
 KV_PUBLIC_KEY, KV_SECRET_KEY = "public", "secret"
+# The worker control token (tandem.worker.server.control_token): the Secret `<dm>-control-token`, created once
+# per model like the KV keys, mounted into every worker and router pod; `--control-token-file` points at it.
+CONTROL_TOKEN_MOUNT = "/etc/tandem/control"
+CONTROL_TOKEN_KEY = "token"  # the Secret's key, and the file's name in the mounted folder
+CONTROL_TOKEN_FILE = f"{CONTROL_TOKEN_MOUNT}/{CONTROL_TOKEN_KEY}"
+CONTROL_TOKEN_VOLUME = "control-token"
+CONTROL_TOKEN_COMPONENT = "control-token"  # the Secret's component label
+# On worker and router pod templates: a new token (the Secret deleted and recreated, or edited) rolls them all.
+CONTROL_TOKEN_FINGERPRINT_ANNOTATION = "tandem.dev/control-token-fingerprint"
 MANAGER = "tandem-operator"
 Component = str  # prefill | decode | router
 
@@ -172,6 +182,7 @@ def worker_args(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName) -> l
         "--tensor-parallel", str(pool_spec.gpus_per_replica),
         "--max-model-len", str(spec.model.max_model_len),
         "--drain-timeout", str(WORKER_DRAIN_TIMEOUT_S),
+        "--control-token-file", CONTROL_TOKEN_FILE,
         *(["--kv-keys", KV_KEYS_MOUNT] if spec.kv_transfer.secure else []),
         *pool_spec.args,
     ]
@@ -234,8 +245,9 @@ def worker_security_context(spec: DisaggregatedModelSpec, resources: ResourceReq
 
 
 def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, spec_fingerprint: str,
-                        kv_keys_fingerprint: str | None = None) -> Manifest:
-    """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on."""
+                        kv_keys_fingerprint: str | None = None, control_token_fingerprint: str | None = None) -> Manifest:
+    """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on.
+    `control_token_fingerprint` (of the control token Secret) goes on the template, so a new token rolls the pool."""
     pool_spec = spec.pool(pool)
     if spec.kv_transfer.secure and not kv_keys_fingerprint:
         raise ValueError("kvTransfer.secure: the worker pod template needs the KV keys' fingerprint")
@@ -266,6 +278,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         volumes.append(kv_keys_volume(owner))
         mounts.append({"name": KV_KEYS_VOLUME, "mountPath": KV_KEYS_MOUNT, "readOnly": True})
         annotations[KV_KEYS_FINGERPRINT_ANNOTATION] = str(kv_keys_fingerprint)
+    _mount_control_token(owner, volumes, mounts, annotations, control_token_fingerprint)
     args = worker_args(owner, spec, pool)
     container: Manifest = {
         "name": "worker",
@@ -326,8 +339,9 @@ def _deployment(owner: Owner, component: Component, replicas: int, template: Man
 
 
 def worker_deployment(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, replicas: int,
-                      spec_fingerprint: str, kv_keys_fingerprint: str | None = None) -> Manifest:
-    template = worker_pod_template(owner, spec, pool, spec_fingerprint, kv_keys_fingerprint)
+                      spec_fingerprint: str, kv_keys_fingerprint: str | None = None,
+                      control_token_fingerprint: str | None = None) -> Manifest:
+    template = worker_pod_template(owner, spec, pool, spec_fingerprint, kv_keys_fingerprint, control_token_fingerprint)
     return _deployment(owner, pool, replicas, template, {SPEC_FINGERPRINT_LABEL: spec_fingerprint})
 
 
@@ -363,13 +377,20 @@ def router_args(owner: Owner, spec: DisaggregatedModelSpec) -> list[str]:
         "--discovery", "k8s", "--namespace", owner.namespace,
         "--prefill-service", child_name(owner, "prefill"), "--decode-service", child_name(owner, "decode"),
         "--drain-timeout", str(ROUTER_DRAIN_TIMEOUT_S),
+        "--control-token-file", CONTROL_TOKEN_FILE,
         *spec.router.args,
     ]
 
 
-def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int) -> Manifest:
+def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
+                      control_token_fingerprint: str | None = None) -> Manifest:
     router = spec.router
     args = router_args(owner, spec)
+    volumes: list[Manifest] = []
+    mounts: list[Manifest] = []
+    annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
+                   "prometheus.io/path": "/metrics"}
+    _mount_control_token(owner, volumes, mounts, annotations, control_token_fingerprint)
     container: Manifest = {
         "name": "router",
         "image": spec.image,
@@ -379,6 +400,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
         "env": _env(router.env) + router_api_key_env(router),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
+        "volumeMounts": mounts,
         # Imports and uvicorn start take tens of seconds on a busy node: liveness waits for the first answer
         # (without this the e2e router was restarted before it had started).
         "startupProbe": _probe("/health", 2, 90),
@@ -392,6 +414,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
         "serviceAccountName": child_name(owner, "router"),
         "containers": [container],
         "tolerations": _tolerations(router.tolerations),
+        "volumes": volumes,
         # SIGTERM comes after the preStop sleep; then the router stops accepting and lets open streams finish.
         "terminationGracePeriodSeconds": grace_period(args, ROUTER_DRAIN_TIMEOUT_S, ROUTER_PRESTOP_SLEEP_S),
     }
@@ -400,8 +423,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int)
     template = {
         "metadata": {
             "labels": labels(owner, "router"),
-            "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
-                            "prometheus.io/path": "/metrics"},
+            "annotations": annotations,
         },
         "spec": pod_spec,
     }
@@ -454,18 +476,21 @@ def router_access(owner: Owner) -> list[Manifest]:
 
 
 def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping[PoolName, int],
-                   spec_fingerprint: str, kv_keys_fingerprint: str | None = None) -> list[Manifest]:
+                   spec_fingerprint: str, kv_keys_fingerprint: str | None = None,
+                   control_token_fingerprint: str | None = None) -> list[Manifest]:
     """Every child of one resource, in apply order (RBAC before the pods that use it).
 
-    Not the KV keys Secret: it is created once (kv_keys.ensure), never applied."""
+    Not the KV keys or control token Secrets: they are created once (kv_keys.ensure, control_secret.ensure),
+    never applied."""
     children: list[Manifest] = [*router_access(owner)]
     for pool in ("prefill", "decode"):
         children.append(worker_service(owner, pool))
         children.append(disruption_budget(owner, pool))
-        children.append(worker_deployment(owner, spec, pool, replicas[pool], spec_fingerprint, kv_keys_fingerprint))
+        children.append(worker_deployment(owner, spec, pool, replicas[pool], spec_fingerprint, kv_keys_fingerprint,
+                                          control_token_fingerprint))
     children.append(router_service(owner, spec))
     children.append(disruption_budget(owner, "router"))
-    children.append(router_deployment(owner, spec, spec.router.replicas))
+    children.append(router_deployment(owner, spec, spec.router.replicas, control_token_fingerprint))
     return children
 
 
@@ -500,6 +525,49 @@ def kv_keys_volume(owner: Owner) -> Manifest:
         "items": [{"key": KV_PUBLIC_KEY, "path": KV_PUBLIC_KEY}, {"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
         "defaultMode": 0o400,
     }}
+
+
+# ---------------------------------------------------------------- worker control token (every model)
+
+
+def control_token_secret_name(owner: Owner) -> str:
+    return child_name(owner, "control-token")
+
+
+def control_token_secret(owner: Owner, token: str) -> Manifest:
+    """The model's worker control token as a Secret (key `token`, the file `--control-token-file` reads)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(owner, control_token_secret_name(owner), CONTROL_TOKEN_COMPONENT),
+        "type": "Opaque",
+        "data": {CONTROL_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def control_token_fingerprint(tokens: tuple[str, ...]) -> str:
+    """Short and public: names the token on pod templates without revealing it (control_token.fingerprint)."""
+    return control_token.fingerprint(tokens)
+
+
+def control_token_volume(owner: Owner) -> Manifest:
+    """The Secret as a volume: only its token. Mode 0444 because the containers run as a non-root uid (65532)
+    and the kubelet writes Secret files as root without an fsGroup (which this pod does not set: it would
+    also change the ownership of a model PVC); the pod's only process is tandem's, and the file stays
+    out of reach of other pods and, on the node, of everyone but root."""
+    return {"name": CONTROL_TOKEN_VOLUME, "secret": {
+        "secretName": control_token_secret_name(owner),
+        "items": [{"key": CONTROL_TOKEN_KEY, "path": CONTROL_TOKEN_KEY}],
+        "defaultMode": 0o444,
+    }}
+
+
+def _mount_control_token(owner: Owner, volumes: list[Manifest], mounts: list[Manifest], annotations: dict[str, str],
+                         fingerprint: str | None) -> None:
+    volumes.append(control_token_volume(owner))
+    mounts.append({"name": CONTROL_TOKEN_VOLUME, "mountPath": CONTROL_TOKEN_MOUNT, "readOnly": True})
+    if fingerprint:
+        annotations[CONTROL_TOKEN_FINGERPRINT_ANNOTATION] = fingerprint
 
 
 # ---------------------------------------------------------------- per-pool scale

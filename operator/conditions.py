@@ -40,6 +40,15 @@ class Problems:
     invalid_spec: str | None = None
     apply_failed: str | None = None
     kv_keys: str | None = None  # the kvTransfer.secure Secret holds no usable keypair (nothing was applied)
+    control_token: str | None = None  # the control token Secret holds no usable token (nothing was applied)
+
+    def blocking_secret(self) -> tuple[str, str] | None:
+        """(reason, what to fix) for a Secret that keeps anything from being applied, if any."""
+        if self.kv_keys:
+            return "KVKeysInvalid", "the kvTransfer.secure keys Secret holds a usable keypair"
+        if self.control_token:
+            return "ControlTokenInvalid", "the worker control token Secret holds a usable token"
+        return None
 
 
 def _count(deployment: Mapping[str, Any] | None, key: str) -> int:
@@ -97,6 +106,8 @@ def degraded_reasons(observations: Sequence[PoolObservation], problems: Problems
         reasons.append(("InvalidSpec", problems.invalid_spec))
     if problems.kv_keys:
         reasons.append(("KVKeysInvalid", problems.kv_keys))
+    if problems.control_token:
+        reasons.append(("ControlTokenInvalid", problems.control_token))
     if problems.apply_failed:
         reasons.append(("ApplyFailed", problems.apply_failed))
     for obs in observations:
@@ -122,9 +133,10 @@ def compute_conditions(observations: Sequence[PoolObservation], problems: Proble
     missing = [o.component for o in observations if o.deployment is None]
     zero = [o.component for o in observations if o.desired == 0]
     short = [o.component for o in observations if _count(o.deployment, "readyReplicas") < o.desired]
-    if missing and problems.kv_keys:
-        ready = ConditionValue(READY, "False", "KVKeysInvalid",
-                               f"the {', '.join(missing)} Deployment(s) are not created until the keys Secret is usable")
+    blocked = problems.blocking_secret()
+    if missing and blocked:
+        ready = ConditionValue(READY, "False", blocked[0],
+                               f"the {', '.join(missing)} Deployment(s) are not created until {blocked[1]}")
     elif missing:
         ready = ConditionValue(READY, "False", "Creating", f"waiting for the {', '.join(missing)} Deployment(s)")
     elif zero:
@@ -135,11 +147,10 @@ def compute_conditions(observations: Sequence[PoolObservation], problems: Proble
         ready = ConditionValue(READY, "True", "AllPoolsReady", f"ready/desired: {counts}")
 
     pending = [o.component for o in observations if not rolled_out(o)]
-    if problems.kv_keys:
+    if blocked:
         # Nothing was applied this time: whatever runs stays as it is, so nothing is rolling out.
-        progressing = ConditionValue(PROGRESSING, "False", "KVKeysInvalid",
-                                     "blocked: nothing is applied until the kvTransfer.secure keys Secret holds a "
-                                     "usable keypair (see Degraded)")
+        progressing = ConditionValue(PROGRESSING, "False", blocked[0],
+                                     f"blocked: nothing is applied until {blocked[1]} (see Degraded)")
     elif pending:
         progressing = ConditionValue(PROGRESSING, "True", "RollingOut", f"rolling out: {', '.join(pending)}")
     else:

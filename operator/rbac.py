@@ -35,8 +35,9 @@ RULES: tuple[tuple[str, tuple[str, ...], list[str], str], ...] = (
     ("rbac.authorization.k8s.io", ("roles", "rolebindings"), APPLY,
      "the router's Role and RoleBinding (endpoint discovery)"),
     ("", ("secrets",), ["get", "create"],
-     "kvTransfer.secure: read the keypair Secret `<dm>-kv-keys`, create it when missing; no list or watch (the "
-     "operator never reads Secrets in bulk) and no patch or update (it never overwrites keys)"),
+     "read the worker control token Secret `<dm>-control-token` and, with kvTransfer.secure, the keypair Secret "
+     "`<dm>-kv-keys`; create them when missing; no list or watch (the operator never reads Secrets in bulk) and "
+     "no patch or update (it never overwrites a token or keys)"),
     ("", ("pods",), READ, "watch for unschedulable worker pods (Degraded); also granted to the router"),
     ("", ("endpoints",), READ, "granted to the router (a Role may only grant what its writer holds)"),
     ("discovery.k8s.io", ("endpointslices",), READ, "granted to the router"),

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.operator import builders, conditions, kv_keys, pool_scale
+from tandem.operator import builders, conditions, control_secret, kv_keys, pool_scale
 from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
 from tandem.operator.fingerprint import spec_fingerprint
 from tandem.operator.kube import Kube, KubeError
@@ -44,6 +44,7 @@ class Outcome:
     apply_error: str | None = None
     invalid_spec: str | None = None
     invalid_kv_keys: str | None = None
+    invalid_control_token: str | None = None
 
 
 def now_rfc3339() -> str:
@@ -118,11 +119,33 @@ def _kv_keys_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outcome,
     return fingerprint
 
 
+def _control_token_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outcome,
+                               emit: Callable[[str, str, str], None]) -> str | None:
+    """Read (or create once) the worker control token Secret; None, with the problem recorded, if unusable."""
+    name = builders.control_token_secret_name(owner)
+    try:
+        tokens, created = control_secret.ensure(kube, owner)
+    except control_secret.InvalidToken as exc:
+        outcome.invalid_control_token = str(exc)
+        return None
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        outcome.apply_error = "; ".join(filter(None, (outcome.apply_error, f"Secret {name}: {exc}")))
+        return None
+    fingerprint = builders.control_token_fingerprint(tokens)
+    if created:
+        outcome.applied.append(f"Secret {name}")
+        emit("Normal", "ControlTokenCreated", f"created Secret {name} with a new worker control token ({fingerprint})")
+    return fingerprint
+
+
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
-                    fingerprint: str, kv_keys_fingerprint: str | None, outcome: Outcome,
-                    emit: Callable[[str, str, str], None], before: Mapping[str, dict[str, Any]]) -> None:
+                    fingerprint: str, kv_keys_fingerprint: str | None, control_token_fingerprint: str,
+                    outcome: Outcome, emit: Callable[[str, str, str], None],
+                    before: Mapping[str, dict[str, Any]]) -> None:
     for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, fingerprint,
-                                         kv_keys_fingerprint):
+                                         kv_keys_fingerprint, control_token_fingerprint):
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
             kube.apply(child)
@@ -177,13 +200,14 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         desired = {pool: desired_replicas(spec, old_status, pool, pools.external(pool)) for pool in POOLS}
         desired["router"] = spec.router.replicas
         keys = _kv_keys_fingerprint(kube, owner, outcome, emit) if spec.kv_transfer.secure else None
-        if keys is not None or not spec.kv_transfer.secure:
-            _apply_children(kube, owner, spec, desired, fingerprint, keys, outcome, emit, before)
-        # else: nothing is applied (the pods as they run stay) until the keys are usable again.
+        control = _control_token_fingerprint(kube, owner, outcome, emit)
+        if (keys is not None or not spec.kv_transfer.secure) and control is not None:
+            _apply_children(kube, owner, spec, desired, fingerprint, keys, control, outcome, emit, before)
+        # else: nothing is applied (the pods as they run stay) until the Secrets are usable again.
 
     observations = _observe(kube, owner, desired, outcome)
     problems = conditions.Problems(invalid_spec=outcome.invalid_spec, apply_failed=outcome.apply_error,
-                                   kv_keys=outcome.invalid_kv_keys)
+                                   kv_keys=outcome.invalid_kv_keys, control_token=outcome.invalid_control_token)
     new_conditions = conditions.merge_conditions(
         old_status.get("conditions") or [], conditions.compute_conditions(observations, problems),
         now_rfc3339(), generation,

@@ -90,6 +90,24 @@ class Cluster:
         return name
 
 
+# Every worker and router a test starts (itself, or through `tandem serve`) takes its worker control token
+# from $TANDEM_CONTROL_TOKEN, set here once for the session; a test calls them with control_headers().
+CONTROL_TOKEN = f"tandem-test-{uuid.uuid4().hex}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def control_token_env() -> Iterator[str]:
+    from tandem.worker.server.control_token import ENV_TOKEN
+
+    before = os.environ.get(ENV_TOKEN)
+    os.environ[ENV_TOKEN] = CONTROL_TOKEN
+    yield CONTROL_TOKEN
+    if before is None:
+        os.environ.pop(ENV_TOKEN, None)
+    else:
+        os.environ[ENV_TOKEN] = before
+
+
 @pytest.fixture(scope="session")
 def k8s_cluster() -> Iterator[Cluster]:
     state = Path(tempfile.mkdtemp(prefix="tandem-cluster-"))

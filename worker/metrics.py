@@ -121,12 +121,20 @@ ROUTER_QUEUED_REQUESTS = MetricDef(f"{PREFIX}_router_queued_requests", "gauge",
 # --- worker health ---
 WORKER_READY = MetricDef(f"{PREFIX}_worker_ready", "gauge", "1 when the worker accepts requests.")
 
+# --- worker control credential (worker/server/control_auth.py) ---
+CONTROL_AUTH_FAILURES = MetricDef(
+    f"{PREFIX}_control_auth_failures", "counter",
+    "Calls refused with 401 for a missing or wrong worker control token (the worker's control routes, "
+    "the router's /workers), by reason (missing|invalid).",
+    labels=(*COMMON_LABELS, LABEL_REASON))
+CONTROL_AUTH_REASONS = ("missing", "invalid")
+
 ALL_WORKER_METRICS = (
     PREFILL_QUEUE_REQUESTS, PREFILL_QUEUE_TOKENS, RUNNING_REQUESTS, WAITING_REQUESTS,
     KV_USAGE_RATIO, KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, TTFT, ITL, E2E, PROMPT_TOKENS,
     GENERATION_TOKENS, REQUESTS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, KV_TRANSFER_BYTES,
     KV_TRANSFER_SECONDS, KV_TRANSFER_FAILURES, KV_TRANSPORT_INFO, FALLBACK_PREFILLS, MIGRATIONS,
-    WORKER_READY,
+    WORKER_READY, CONTROL_AUTH_FAILURES,
 )
 
 # --- operator / autoscaler (label `pool` is prefill|decode, `namespace` and `name` the resource) ---

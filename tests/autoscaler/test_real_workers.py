@@ -30,6 +30,7 @@ from tandem.operator import autoscaler_timer as t
 from tandem.operator import signals as sig
 from tandem.operator.api import DisaggregatedModelSpec
 from tandem.worker import metrics as m
+from tandem.worker.server.control_token import ControlTokens
 from tandem.worker.server.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -110,8 +111,9 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
     # The router sends work to decode alone until it sees a usable prefill worker; this test is
     # about the prefill queue, so make sure the burst goes through prefill.
     deadline = time.monotonic() + 30
-    while not {"prefill", "decode"} <= {w["role"] for w in httpx.get(f"{stack['url']}/workers", timeout=5).json()
-                                        if w["usable"]}:
+    control = ControlTokens.from_file(stack["control_token_file"]).headers  # /workers wants the stack's token
+    while not {"prefill", "decode"} <= {w["role"] for w in httpx.get(f"{stack['url']}/workers", headers=control,
+                                                                      timeout=5).json() if w["usable"]}:
         assert time.monotonic() < deadline, "the router never saw a usable prefill and decode worker"
         time.sleep(0.2)
     bench = subprocess.Popen(

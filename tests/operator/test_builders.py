@@ -79,6 +79,7 @@ def test_worker_command_follows_the_cli_contract(pool: str) -> None:
         "role": pool, "pool": pool, "model": "/models/tiny", "model-name": "tiny-llama", "device": "cuda",
         "dtype": "float16", "block-size": "32", "transport": "tcp", "host": "0.0.0.0", "port": "8000",
         "kv-port": "5555", "tensor-parallel": "1", "max-model-len": "2048", "drain-timeout": "60", "x": "1",
+        "control-token-file": "/etc/tandem/control/token",
     }
 
 
@@ -262,7 +263,8 @@ def test_router_discovers_the_pools_through_their_services() -> None:
     c = container(deployment)
     assert flags(c["args"]) == {
         "host": "0.0.0.0", "port": "8000", "model-name": "tiny-llama", "discovery": "k8s", "namespace": "serving",
-        "prefill-service": "tiny-prefill", "decode-service": "tiny-decode", "drain-timeout": "30"}
+        "prefill-service": "tiny-prefill", "decode-service": "tiny-decode", "drain-timeout": "30",
+        "control-token-file": "/etc/tandem/control/token"}
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "tiny-router"
     binding = built[("RoleBinding", "tiny-router")]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "serving"}]

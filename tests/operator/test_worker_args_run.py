@@ -3,13 +3,15 @@
 Each pool's container command (`tandem` + builders.worker_args) runs exactly as built, with the
 pool's env as the pod would get it. Only the pool's `args` (appended last, as on a pod) move the
 ports off 8000/5555 and the host to 127.0.0.1, since this machine is shared; `device: cpu` is the
-override a cluster without real GPUs uses. Both workers must answer /health and /ready with 200,
+override a cluster without real GPUs uses, and `--control-token-file` to where the control token Secret's
+data is written out as the kubelet would mount it. Both workers must answer /health and /ready with 200,
 report the same KV layout hash (computed from the model each loaded), and serve a completion
 through a router, which pairs them by that hash.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
@@ -26,6 +28,8 @@ import pytest
 
 from tandem.operator import builders
 from tandem.operator.api import DisaggregatedModelSpec
+from tandem.worker.server import control_token
+from tandem.worker.server.control_token import ControlTokens
 from tandem.worker.server.ports import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -82,11 +86,16 @@ def processes() -> Iterator[list[subprocess.Popen[bytes]]]:
 def test_the_operators_worker_command_line_serves(tiny_model: Path, tmp_path: Path,
                                                   processes: list[subprocess.Popen[bytes]]) -> None:
     ports = {pool: (free_port(), free_port()) for pool in ("prefill", "decode")}
+    secret = builders.control_token_secret(OWNER, control_token.generate())
+    token_file = tmp_path / "control" / builders.CONTROL_TOKEN_KEY  # the Secret's volume, as the kubelet writes it
+    token_file.parent.mkdir()
+    token_file.write_bytes(base64.b64decode(secret["data"][builders.CONTROL_TOKEN_KEY]))
+    control = ControlTokens.from_file(token_file)
 
     def pool(name: str) -> dict[str, Any]:
         http, kv = ports[name]
         return {"device": "cpu", "args": ["--host", "127.0.0.1", "--port", str(http), "--kv-port", str(kv),
-                                          "--kv-cache-bytes", str(8 << 20)]}
+                                          "--kv-cache-bytes", str(8 << 20), "--control-token-file", str(token_file)]}
 
     spec = DisaggregatedModelSpec.model_validate({
         "model": {"name": "tiny-llama", "source": {"path": str(tiny_model)}, "maxModelLen": 512},
@@ -106,7 +115,7 @@ def test_the_operators_worker_command_line_serves(tiny_model: Path, tmp_path: Pa
         for path in ("/health", "/ready"):  # liveness and readiness, as the pod's probes ask
             wait_ok(urls[name] + path, proc, tmp_path / f"{name}.log")
 
-    infos = {name: httpx.get(f"{url}/info", timeout=5).json() for name, url in urls.items()}
+    infos = {name: httpx.get(f"{url}/info", headers=control.headers, timeout=5).json() for name, url in urls.items()}
     assert infos["prefill"]["layout_hash"] == infos["decode"]["layout_hash"] != ""
     assert {info["role"] for info in infos.values()} == {"prefill", "decode"}
 
@@ -114,7 +123,8 @@ def test_the_operators_worker_command_line_serves(tiny_model: Path, tmp_path: Pa
     log = tmp_path / "router.log"
     with log.open("wb") as out:
         router = subprocess.Popen([tandem_command(), "router", "--port", str(port), "--model", str(tiny_model),
-                                   "--prefill", urls["prefill"], "--decode", urls["decode"]],
+                                   "--prefill", urls["prefill"], "--decode", urls["decode"],
+                                   "--control-token-file", str(token_file)],
                                   stdout=out, stderr=subprocess.STDOUT)
     processes.append(router)
     wait_ok(f"http://127.0.0.1:{port}/ready", router, log, timeout=60)

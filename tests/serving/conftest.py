@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tandem.worker.server.control_token import ENV_TOKEN, HEADER
 from tandem.worker.server.ports import free_port
 
 KV_CACHE_BYTES = 8 << 20  # 1024 blocks of the tiny model: plenty, and cheap to allocate
@@ -70,7 +71,7 @@ def tokenizer(tiny_model: Path) -> Any:
 def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Stack]]:
     started: list[Stack] = []
 
-    def start(*args: str, timeout: float = 120.0) -> Stack:
+    def start(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> Stack:
         port = free_port()
         work = tmp_path_factory.mktemp("stack")
         state_file = work / "state.json"
@@ -79,7 +80,7 @@ def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 "--port", str(port), "--kv-cache-bytes", str(KV_CACHE_BYTES), "--log-dir", str(work / "logs"),
                 "--state-file", str(state_file), *args]
         with log.open("wb") as fh:
-            popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            popen = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         limit = time.monotonic() + timeout
         while not state_file.exists():
             if popen.poll() is not None or time.monotonic() > limit:
@@ -123,6 +124,12 @@ def hf_greedy(tiny_model: Path) -> Callable[[list[int], int], list[int]]:
     return greedy
 
 
+def control_headers() -> dict[str, str]:
+    """The worker control token of every worker and router the tests start (tests/conftest.py sets it in the
+    environment, which `tandem serve` and the processes the tests start directly take it from)."""
+    return {HEADER: os.environ[ENV_TOKEN]}
+
+
 def metric_value(url: str, name: str, **labels: str) -> float:
     """Sum of a metric's samples on a /metrics page whose labels include `labels`."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -141,7 +148,7 @@ def wait_until_disaggregated(stack: Stack, timeout: float = 60.0) -> None:
     are about."""
     limit = time.monotonic() + timeout
     while time.monotonic() < limit:
-        roles = {w["role"] for w in httpx.get(f"{stack.url}/workers", timeout=5).json() if w["usable"]}
+        roles = {w["role"] for w in httpx.get(f"{stack.url}/workers", headers=control_headers(), timeout=5).json() if w["usable"]}
         if {"prefill", "decode"} <= roles:
             return
         time.sleep(0.2)

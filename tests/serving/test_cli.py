@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from .conftest import Stack, free_port
+from .conftest import Stack, control_headers, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -155,10 +155,10 @@ def test_request_deadline_gives_504_and_frees_the_worker(mono: Stack, tmp_path: 
             events = [line for line in stream.iter_lines() if line.startswith("data:")]
         assert "deadline" in events[-2] and events[-1] == "data: [DONE]"
         for _ in range(50):  # the worker aborted what the router gave up on
-            if httpx.get(f"{worker}/info", timeout=5).json()["stats"]["num_running"] == 0:
+            if httpx.get(f"{worker}/info", headers=control_headers(), timeout=5).json()["stats"]["num_running"] == 0:
                 break
             time.sleep(0.1)
-        assert httpx.get(f"{worker}/info", timeout=5).json()["stats"]["num_running"] == 0
+        assert httpx.get(f"{worker}/info", headers=control_headers(), timeout=5).json()["stats"]["num_running"] == 0
     finally:
         router.send_signal(signal.SIGTERM)
         router.wait(30)

@@ -30,7 +30,7 @@ from tandem.worker.router import app as router_app
 from tandem.worker.router.dispatch import TokenEvent
 from tandem.worker.router.errors import APIError
 
-from .conftest import Stack, metric_value, wait_until_disaggregated
+from .conftest import Stack, control_headers, metric_value, wait_until_disaggregated
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +50,7 @@ def worker_urls(stack: Stack) -> dict[str, str]:
 
 
 def usage(url: str) -> dict[str, Any]:
-    d = httpx.get(f"{url}/info", timeout=5).json()
+    d = httpx.get(f"{url}/info", headers=control_headers(), timeout=5).json()
     s = d["stats"]
     return {"in_flight": d["in_flight"], "running": s["num_running"], "waiting": s["num_waiting"],
             "used_blocks": s["num_total_blocks"] - s["num_free_blocks"], "reserved": s["num_reserved_blocks"],
@@ -89,7 +89,7 @@ def request(prompt: str, max_tokens: int, stream: bool) -> dict[str, Any]:
 
 def wait_for(url: str, key: str, timeout: float = 20.0) -> None:
     limit = time.monotonic() + timeout
-    with httpx.Client(timeout=5) as c:
+    with httpx.Client(timeout=5, headers=control_headers()) as c:
         while c.get(f"{url}/info").json()["stats"][key] == 0:
             assert time.monotonic() < limit, f"{url} never showed {key}"
 
@@ -354,14 +354,14 @@ def test_a_cancel_that_overtakes_its_reservation_still_wins(disagg: Stack) -> No
     wait_until_disaggregated(disagg)
     decode = worker_urls(disagg)["decode"]
     body = {"request_id": "overtaken-1", "num_tokens": 200, "deadline_s": 600}
-    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "overtaken-1"}, timeout=5).json() == \
+    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "overtaken-1"}, headers=control_headers(), timeout=5).json() == \
         {"cancelled": False}
-    late = httpx.post(f"{decode}/kv/reserve", json=body, timeout=5)
+    late = httpx.post(f"{decode}/kv/reserve", json=body, headers=control_headers(), timeout=5)
     assert late.status_code == 409 and "cancelled before its reservation" in late.text
     assert usage(decode) == IDLE
     # Another request's reservation is untouched by it, and its own cancel still frees it.
-    ok = httpx.post(f"{decode}/kv/reserve", json=dict(body, request_id="not-overtaken-1"), timeout=5)
+    ok = httpx.post(f"{decode}/kv/reserve", json=dict(body, request_id="not-overtaken-1"), headers=control_headers(), timeout=5)
     assert ok.status_code == 200 and usage(decode)["reserved"] == len(ok.json()["block_ids"])
-    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "not-overtaken-1"}, timeout=5).json() == \
+    assert httpx.post(f"{decode}/kv/cancel", json={"request_id": "not-overtaken-1"}, headers=control_headers(), timeout=5).json() == \
         {"cancelled": True}
     seconds_until_idle(disagg, timeout=5)

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from .conftest import Stack, metric_value, wait_until_disaggregated
+from .conftest import Stack, control_headers, metric_value, wait_until_disaggregated
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def complete(stack: Stack, prompt: Any, **kw: Any) -> Any:
 
 
 def info(url: str) -> dict[str, Any]:
-    return dict(httpx.get(f"{url}/info", timeout=5).json())
+    return dict(httpx.get(f"{url}/info", headers=control_headers(), timeout=5).json())
 
 
 def test_concurrent_long_streams_on_a_small_decode_cache_all_finish_with_greedy_tokens(

@@ -36,7 +36,7 @@ from tandem.worker.transfer.conformance import TINY_LAYOUT, make_cache, spawn_re
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
 
-from .conftest import free_port
+from .conftest import control_headers, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +68,7 @@ class Proc:
         os.kill(self.popen.pid, signal.SIGCONT)
 
     def info(self) -> dict[str, Any]:
-        return dict(httpx.get(f"{self.url}/info", timeout=5).json())
+        return dict(httpx.get(f"{self.url}/info", headers=control_headers(), timeout=5).json())
 
     def holds(self) -> tuple[int, int]:
         """(requests and reservations in flight, blocks reserved for incoming KV)."""
@@ -95,7 +95,7 @@ class Stack:
         return [p for p in self.procs if p.role == role]
 
     def router_view(self) -> dict[str, dict[str, Any]]:
-        return {w["url"]: w for w in httpx.get(f"{self.url}/workers", timeout=5).json()}
+        return {w["url"]: w for w in httpx.get(f"{self.url}/workers", headers=control_headers(), timeout=5).json()}
 
     def settle(self, timeout: float = 30.0) -> None:
         """Every worker resumed, usable again for the router, and running nothing."""
@@ -355,7 +355,8 @@ def test_reservations_the_router_stopped_waiting_for_are_given_back(stack: Stack
         def reserve(i: int) -> None:
             with contextlib.suppress(httpx.TimeoutException):
                 httpx.post(f"{victim.url}/kv/reserve", json={"request_id": f"gone-{i}", "num_tokens": 40,
-                                                              "deadline_s": 60}, timeout=1.0)
+                                                              "deadline_s": 60}, headers=control_headers(),
+                           timeout=1.0)
 
         with ThreadPoolExecutor(4) as pool:
             list(pool.map(reserve, range(4)))

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import Stack, metric_value, wait_until_disaggregated
+from .conftest import Stack, control_headers, metric_value, wait_until_disaggregated
 from .test_router_robustness import ScriptedHandler, router_procs, serve_scripted, start_router  # noqa: F401 (fixtures, used by name)
 
 pytestmark = pytest.mark.integration
@@ -86,7 +86,7 @@ def test_an_underflowing_temperature_hurts_no_other_stream(stack: Stack) -> None
         if resp.status_code == 200:
             assert resp.json()["usage"]["completion_tokens"] == 8 or resp.json()["choices"][0]["finish_reason"] == "stop"
     assert metric_value(stack.url, "tandem_migrations_total") == 0
-    workers = httpx.get(f"{stack.url}/workers", timeout=5).json()
+    workers = httpx.get(f"{stack.url}/workers", headers=control_headers(), timeout=5).json()
     assert all(w["usable"] for w in workers), workers
 
 
@@ -135,7 +135,7 @@ def test_nan_logits_fail_their_request_alone(nan_stack: Stack) -> None:
         assert resp.json()["error"]["code"] == "request_failed"
         assert "not a number" in resp.json()["error"]["message"]
     assert metric_value(nan_stack.url, "tandem_migrations_total") == 0
-    workers = httpx.get(f"{nan_stack.url}/workers", timeout=5).json()
+    workers = httpx.get(f"{nan_stack.url}/workers", headers=control_headers(), timeout=5).json()
     assert all(w["usable"] for w in workers), workers
 
 
@@ -194,7 +194,7 @@ def worker_url(stack: Stack, role: str) -> str:
 
 def test_reservation_deadline_is_capped(stack: Stack) -> None:
     decode = worker_url(stack, "decode")
-    resp = httpx.post(f"{decode}/kv/reserve", timeout=10,
+    resp = httpx.post(f"{decode}/kv/reserve", headers=control_headers(), timeout=10,
                       json={"request_id": "hostile-deadline", "num_tokens": 16, "deadline_s": 1e6})
     assert resp.status_code == 400, resp.text
     assert "deadline_s" in resp.json()["error"]["message"]
@@ -202,31 +202,31 @@ def test_reservation_deadline_is_capped(stack: Stack) -> None:
 
 def test_one_peer_cannot_reserve_the_whole_kv_pool(stack: Stack) -> None:
     decode = worker_url(stack, "decode")
-    total = httpx.get(f"{decode}/info", timeout=5).json()["stats"]["num_total_blocks"]
+    total = httpx.get(f"{decode}/info", headers=control_headers(), timeout=5).json()["stats"]["num_total_blocks"]
     granted: list[str] = []
     refused: list[httpx.Response] = []
     try:
         for i in range(64):
-            resp = httpx.post(f"{decode}/kv/reserve", timeout=10,
+            resp = httpx.post(f"{decode}/kv/reserve", headers=control_headers(), timeout=10,
                               json={"request_id": f"hostile-{i}", "num_tokens": 1000, "deadline_s": 60})
             (granted.append(f"hostile-{i}") if resp.status_code == 200 else refused.append(resp))
         assert refused and all(r.status_code in (429, 503) for r in refused), [r.text for r in refused[:3]]
-        free = httpx.get(f"{decode}/info", timeout=5).json()["stats"]["num_free_blocks"]
+        free = httpx.get(f"{decode}/info", headers=control_headers(), timeout=5).json()["stats"]["num_free_blocks"]
         assert free >= total // 3, f"{free} of {total} blocks left free"
         # Real traffic on that worker still runs.
-        resp = httpx.post(f"{decode}/generate", timeout=30, json={
+        resp = httpx.post(f"{decode}/generate", headers=control_headers(), timeout=30, json={
             "request_id": "after-hostile", "prompt_token_ids": list(range(5, 300)),
             "sampling": {"max_tokens": 4, "temperature": 0}})
         assert resp.status_code == 200 and '"finished":true' in resp.text, resp.text
     finally:
         for rid in granted:
-            httpx.post(f"{decode}/kv/cancel", json={"request_id": rid}, timeout=10)
+            httpx.post(f"{decode}/kv/cancel", json={"request_id": rid}, headers=control_headers(), timeout=10)
 
 
 def test_sampled_before_is_capped(stack: Stack) -> None:
     decode = worker_url(stack, "decode")
     started = time.monotonic()
-    resp = httpx.post(f"{decode}/generate", timeout=60, json={
+    resp = httpx.post(f"{decode}/generate", headers=control_headers(), timeout=60, json={
         "request_id": "hostile-skip", "prompt_token_ids": [5, 6, 7],
         "sampling": {"max_tokens": 2, "temperature": 1.0, "seed": 1}, "sampled_before": 300_000})
     assert resp.status_code == 400, resp.text
@@ -242,7 +242,8 @@ def test_sampled_before_is_capped(stack: Stack) -> None:
 ], ids=["nan-temperature", "huge-seed", "infinite-deadline", "huge-reservation"])
 def test_worker_refuses_out_of_range_input_with_a_400(stack: Stack, path: str, body: dict[str, object]) -> None:
     decode = worker_url(stack, "decode")
-    resp = httpx.post(f"{decode}{path}", content=json.dumps(body), headers={"content-type": "application/json"},
+    resp = httpx.post(f"{decode}{path}", content=json.dumps(body),
+                      headers={"content-type": "application/json", **control_headers()},
                       timeout=30)
     assert resp.status_code == 400, resp.text
     assert httpx.get(f"{decode}/health", timeout=5).status_code == 200
@@ -252,7 +253,7 @@ def test_worker_treats_an_underflowing_temperature_as_greedy(stack: Stack) -> No
     decode = worker_url(stack, "decode")
 
     def generate(rid: str, temperature: float) -> list[int]:
-        resp = httpx.post(f"{decode}/generate", timeout=30, json={
+        resp = httpx.post(f"{decode}/generate", headers=control_headers(), timeout=30, json={
             "request_id": rid, "prompt_token_ids": [5, 6, 7, 8],
             "sampling": {"max_tokens": 6, "temperature": temperature, "ignore_eos": True}})
         assert resp.status_code == 200, resp.text
@@ -310,7 +311,7 @@ def assert_failed_alone(router: str, workers: list[FailingWorker], path: str) ->
     # Tried once, on one worker: not retried elsewhere, not migrated...
     assert sum(w.calls[path] for w in workers) == 1, [dict(w.calls) for w in workers]
     # ...and no worker was marked down for it.
-    listed = httpx.get(f"{router}/workers", timeout=5).json()
+    listed = httpx.get(f"{router}/workers", headers=control_headers(), timeout=5).json()
     assert all(w["up"] and w["usable"] for w in listed), listed
 
 

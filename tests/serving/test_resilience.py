@@ -19,7 +19,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from .conftest import Stack, metric_value
+from .conftest import Stack, control_headers, metric_value
 
 pytestmark = pytest.mark.integration
 
@@ -64,7 +64,7 @@ def sigterm_a_busy_worker(procs: list[dict[str, Any]], timeout: float = 20.0) ->
     while time.monotonic() < limit:
         for p in procs:
             try:
-                busy = httpx.get(f"{p['url']}/info", timeout=2).json()["in_flight"]
+                busy = httpx.get(f"{p['url']}/info", headers=control_headers(), timeout=2).json()["in_flight"]
             except httpx.HTTPError:
                 continue
             if busy > 0:
@@ -124,7 +124,7 @@ def test_killed_decode_worker_mid_stream_completes_with_same_tokens(stack: Stack
             return
         for url, pid in decode_urls.items():
             try:
-                info = httpx.get(f"{url}/info", timeout=5).json()
+                info = httpx.get(f"{url}/info", headers=control_headers(), timeout=5).json()
             except httpx.HTTPError:
                 continue  # the worker drained by the previous test
             if info["stats"]["num_running"] > 0:

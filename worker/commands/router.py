@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from tandem.worker.commands.control import control_options, resolve
 from tandem.worker.router.auth import ApiKeys
 from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from tandem.worker.router.limits import (
@@ -70,15 +71,18 @@ from tandem.worker.router.limits import (
               help="A request's whole body must arrive within this many seconds of its headers, or 408 and the "
               "connection is closed.")
 @click.option("--log-level", default="info", show_default=True)
+@control_options
 def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
             prefill: tuple[str, ...], decode: tuple[str, ...], discovery: str, namespace: str,
             prefill_service: str | None, decode_service: str | None, worker_port: int, request_timeout: float,
             stall_timeout: float, max_request_bytes: int, chat_template: Path | None, drain_timeout: float,
             api_keys: tuple[str, ...], api_key_file: Path | None, ssl_certfile: Path | None,
             ssl_keyfile: Path | None, max_concurrent_requests: int, max_queued_requests: int, queue_timeout: float,
-            header_timeout: float, body_timeout: float, log_level: str) -> None:
+            header_timeout: float, body_timeout: float, log_level: str, control_token_file: Path | None,
+            insecure_control_api: bool) -> None:
     """Serve /v1/* by placing requests on prefill and decode workers."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s router:{port} %(levelname)s %(name)s: %(message)s")
+    control = resolve(control_token_file, insecure_control_api)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     source: Discovery
     if discovery in ("k8s", "dns"):
@@ -111,7 +115,7 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
 
     cfg = RouterConfig(model_name=model_name, discovery=source, model_dir=model_dir,
                        request_timeout=request_timeout, stall_timeout=stall_timeout,
-                       max_request_bytes=max_request_bytes,
+                       max_request_bytes=max_request_bytes, control=control,
                        chat_template=chat_template.read_text() if chat_template is not None else None,
                        api_keys=keys, max_concurrent_requests=max_concurrent_requests,
                        max_queued_requests=max_queued_requests, queue_timeout=queue_timeout)

@@ -134,7 +134,10 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):
         raise click.UsageError(f"{host}:{port} is already in use; pick another --port")
-    stack = LocalStack(spec)
+    try:
+        stack = LocalStack(spec)  # writes the run's worker control token (its log folder's control-token)
+    except ValueError as exc:  # an unusable $TANDEM_CONTROL_TOKEN(_FILE)
+        raise click.UsageError(str(exc)) from None
     stop = _StopFlag()
     stack.start()
     code = 0
@@ -146,6 +149,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                 stack.write_state(state_file)
             console.print(f"[bold green]ready:[/bold green] OpenAI API at [bold]{stack.url}/v1[/bold] "
                           f"(model {spec.model_name!r}, mode {mode}); logs in {log_dir}; Ctrl-C stops everything")
+            console.print(f"  the workers' control token (for calling them, or /workers, yourself): "
+                          f"{stack.control_token_file}")
             auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if api_keys or api_key_file else ""
             console.print(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json'{auth} "
                           f"-d '{{\"model\": \"{spec.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")

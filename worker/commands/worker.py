@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from tandem.worker.commands.control import control_options, resolve
 from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
 from tandem.worker.hardware import DTYPE_CHOICES, choose
 from tandem.worker.server.config import WorkerConfig
@@ -53,6 +54,7 @@ log = logging.getLogger("tandem.worker")
 @click.option("--fault", type=click.Choice(["drop-kv"]), default=None, hidden=True,
               help="Test hook: misbehave on purpose.")
 @click.option("--log-level", default="info", show_default=True)
+@control_options
 @refuse_unsupported_vllm_flags
 def command(role: str, model_dir: Path, model_name: str | None, dtype: str, device: str, block_size: int,
             transport: str, host: str, port: int, kv_port: int, kv_host: str | None, kv_keys: Path | None,
@@ -60,9 +62,11 @@ def command(role: str, model_dir: Path, model_name: str | None, dtype: str, devi
             max_model_len: int | None, pool: str, layout_hash: str | None, kv_cache_bytes: int | None,
             memory_utilization: float | None, seed: int, max_num_seqs: int, max_num_batched_tokens: int,
             chunked_prefill: bool, prefix_caching: bool,
-            drain_timeout: float, fault: str | None, log_level: str) -> None:
+            drain_timeout: float, fault: str | None, log_level: str, control_token_file: Path | None,
+            insecure_control_api: bool) -> None:
     """Run one worker: HTTP control API on --port, KV transfer on --kv-port."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role}:{port} %(levelname)s %(name)s: %(message)s")
+    control = resolve(control_token_file, insecure_control_api)
     try:
         choice = choose(device, dtype, model_dir)
         log.info("running on %s", choice.describe())
@@ -73,7 +77,7 @@ def command(role: str, model_dir: Path, model_name: str | None, dtype: str, devi
             kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, seed=seed, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked_prefill, enable_prefix_caching=prefix_caching,
-            drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys)
+            drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys, control=control)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     from tandem.worker.server.run import run_worker

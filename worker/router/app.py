@@ -47,6 +47,8 @@ from tandem.worker.router.responses import Shape, full_response, sse, stream_chu
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.tokens import Delta, TextAssembler, chars_per_token_bound, encode, fetch_tokenizer
 from tandem.worker.router.workers import WorkerRegistry
+from tandem.worker.server.control_auth import RefusalLog, presented_token, refusal
+from tandem.worker.server.control_token import ControlTokens
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,8 @@ class RouterConfig:
     poll_interval: float = 0.5
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     chat_template: str | None = None  # replaces the model's chat template (--chat-template)
+    # The worker control token: sent on every call to a worker, and wanted by /workers (None: --insecure-control-api).
+    control: ControlTokens | None = None
     api_keys: ApiKeys | None = None  # --api-key: every route but the probes and /metrics needs one
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # see limits.Admission
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
@@ -77,9 +81,12 @@ class RouterConfig:
 class RouterState:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval)
+        self.control_headers = cfg.control.headers if cfg.control is not None else {}
+        self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval, headers=self.control_headers)
         self.telemetry = RouterTelemetry(cfg.model_name)
-        self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout)
+        self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout,
+                                     headers=self.control_headers)
+        self.control_refusals = RefusalLog("router call")
         self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout)
         self._tokenizer: Tokenizer | None = None
         self.chars_per_token: float | None = None  # see tokens.chars_per_token_bound
@@ -128,7 +135,7 @@ class RouterState:
         return self._tokenizer
 
     async def _fetch_tokenizer(self) -> tuple[Tokenizer, set[int]]:
-        async with httpx.AsyncClient() as client:
+        async with httpx.AsyncClient(headers=self.control_headers) as client:
             for w in self.registry.workers.values():
                 if w.up:
                     try:
@@ -197,8 +204,14 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         ok = state.ready()
         return JSONResponse({"ready": ok, "workers": _worker_counts(state)}, status_code=200 if ok else 503)
 
-    @app.get("/workers")
-    async def workers() -> list[dict[str, Any]]:
+    @app.get("/workers", response_model=None)
+    async def workers(request: Request) -> list[dict[str, Any]] | JSONResponse:
+        # Worker URLs, KV addresses and layout hashes: for the model's own processes (the control token), not clients.
+        if cfg.control is not None and (reason := cfg.control.check(presented_token(request.scope))) is not None:
+            state.telemetry.inc(m.CONTROL_AUTH_FAILURES, reason=reason)
+            state.control_refusals.refused(reason, request.method, request.url.path,
+                                           request.client.host if request.client else "")
+            return refusal(reason)
         return [{"url": w.url, "up": w.up, "usable": w.usable, "role": w.role, "error": w.last_error,
                  "info": w.info.model_dump() if w.info else None} for w in state.registry.workers.values()]
 

@@ -16,7 +16,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -83,7 +83,7 @@ class WorkerRejected(Exception):
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, telemetry: RouterTelemetry, eos_token_ids: set[int],
-                 block_size: int = 16, stall_timeout: float = 60.0) -> None:
+                 block_size: int = 16, stall_timeout: float = 60.0, headers: Mapping[str, str] | None = None) -> None:
         self.registry = registry
         self.telemetry = telemetry
         self.eos_token_ids = eos_token_ids
@@ -92,7 +92,9 @@ class Dispatcher:
         self.affinity = PrefixAffinity()
         self._background: set[asyncio.Task[None]] = set()  # cancels in flight (_send_cancel)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S)
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(stall_timeout, connect=3.0), limits=limits)
+        # `headers`: the worker control token, on every call (reserve, prefill, decode, generate, cancel, abort).
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(stall_timeout, connect=3.0), limits=limits,
+                                        headers=dict(headers or {}))
 
     async def close(self) -> None:
         await self.client.aclose()

@@ -18,6 +18,7 @@ from tandem.worker import metrics as m
 from tandem.worker.server.telemetry import Telemetry
 
 ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS,
+                  m.CONTROL_AUTH_FAILURES,
                   m.ROUTER_AUTH_FAILURES, m.ROUTER_OVERLOADED, m.ROUTER_ACTIVE_REQUESTS, m.ROUTER_QUEUED_REQUESTS)
 # tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
 # or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
@@ -40,6 +41,8 @@ class RouterTelemetry:
             return
         t = Telemetry(model_name, "router", "router", ROUTER_METRICS)
         t.initialise_all(FINISH_REASONS)
+        for reason in m.CONTROL_AUTH_REASONS:  # /workers without the worker control token
+            t.initialise(m.CONTROL_AUTH_FAILURES, reason=reason)
         for d, reasons in ((m.ROUTER_AUTH_FAILURES, AUTH_FAILURE_REASONS), (m.ROUTER_OVERLOADED, OVERLOAD_REASONS)):
             for reason in reasons:
                 t.initialise(d, reason=reason)

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -76,15 +77,22 @@ class WorkerState:
             queued_tokens=self.queued_tokens, active=self.active)
 
 
+class _ControlRefused(ValueError):
+    def __init__(self, url: str) -> None:
+        super().__init__(f"{url} refused this router's worker control token (401): the router and the worker "
+                         "hold different tokens (--control-token-file)")
+
+
 class WorkerRegistry:
     def __init__(self, discovery: Discovery, model_name: str | None, poll_interval: float = 0.5,
-                 discovery_interval: float = 5.0) -> None:
+                 discovery_interval: float = 5.0, headers: Mapping[str, str] | None = None) -> None:
         self.discovery = discovery
         self.model_name = model_name
         self.poll_interval = poll_interval
         self.discovery_interval = discovery_interval
         self.workers: dict[str, WorkerState] = {}
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+        # `headers`: the worker control token (control_token.ControlTokens.headers), sent on every poll.
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=dict(headers or {}))
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
 
@@ -132,11 +140,14 @@ class WorkerRegistry:
         inflight_before = w.inflight_prefill_tokens
         try:
             resp = await self._client.get(f"{w.url}/info")
+            if resp.status_code == 401:
+                raise _ControlRefused(w.url)
             resp.raise_for_status()
             info = WorkerInfo.model_validate(resp.json())
         except (httpx.HTTPError, ValidationError, ValueError) as exc:
+            before = w.last_error
             w.up, was_up, w.last_error = False, w.up, f"{type(exc).__name__}: {exc}"  # a timeout's str() is empty
-            if was_up:
+            if was_up or (isinstance(exc, _ControlRefused) and before != w.last_error):
                 log.warning("worker %s is down: %s", w.url, w.last_error)
             return
         if self.model_name and info.model != self.model_name:

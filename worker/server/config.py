@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tandem.worker.kv.keys import KVKeys, KVKeysError
+from tandem.worker.server.control_token import ControlTokens
 
 ROLES = ("prefill", "decode", "both")
 TRANSPORTS = ("auto", "tcp", "rdma")
@@ -43,6 +44,9 @@ class WorkerConfig:
     max_reservations_per_peer: int = 512
     kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
     keys: KVKeys | None = field(init=False, default=None)  # loaded from kv_keys, at start
+    # The model's worker control token (control_token.py): every route but the probes and /metrics wants it.
+    # None only with `tandem worker --insecure-control-api` (the command refuses to start otherwise).
+    control: ControlTokens | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -15,7 +15,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from tandem.worker import metrics as m
 from tandem.worker.router.tokens import tokenizer_files
+from tandem.worker.server.control_auth import ControlAuth
 from tandem.worker.server.protocol import (
     AbortRequest,
     DecodeRequest,
@@ -66,6 +68,9 @@ async def _parse(request: Request, model: type[BaseModel]) -> Any:
 def create_app(server: WorkerServer) -> FastAPI:
     app = FastAPI(title="tandem worker")
     app.state.worker = server
+    if server.cfg.control is not None:  # every route but /health, /ready and /metrics needs the control token
+        app.add_middleware(ControlAuth, tokens=server.cfg.control,
+                           count=lambda reason: server.telemetry.inc(m.CONTROL_AUTH_FAILURES, reason=reason))
 
     @app.exception_handler(Rejected)
     async def rejected(_: Request, exc: Rejected) -> JSONResponse:

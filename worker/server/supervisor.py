@@ -3,6 +3,11 @@
 Each process is started in its own session so a terminal Ctrl-C reaches only the supervisor,
 which then stops things in order: the router first (no new requests), then the workers with
 SIGTERM (they drain), and SIGKILL for anything still alive after the grace period.
+
+The router and workers share a worker control token (control_token.py): $TANDEM_CONTROL_TOKEN_FILE's
+or $TANDEM_CONTROL_TOKEN's when set, else a fresh one per run. It is written to `control-token` in
+the log folder (mode 0600) and each process gets that file's path, never the token, on its command
+line (`ps` shows command lines to every user).
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from tandem.worker.server import control_token
+from tandem.worker.server.control_token import ControlTokens
 from tandem.worker.server.ports import free_port
 
 MODES = ("disaggregated", "monolithic", "chunked")
@@ -90,6 +97,9 @@ class LocalStack:
         self.spec = spec
         self.procs: list[Proc] = []
         spec.log_dir.mkdir(parents=True, exist_ok=True)
+        self.control = _run_tokens()
+        self.control_token_file = control_token.write_private(spec.log_dir / "control-token",
+                                                              "\n".join(self.control.tokens))
         self._plan()
 
     @property
@@ -110,7 +120,7 @@ class LocalStack:
         argv = [sys.executable, "-m", "tandem.worker.cli", "worker", "--role", role, "--model", str(s.model_dir),
                 "--model-name", s.model_name, "--dtype", s.dtype, "--device", s.device, "--block-size", str(s.block_size),
                 "--transport", s.transport, "--host", "127.0.0.1", "--port", str(port), "--kv-port", str(kv_port),
-                "--pool", "local", *extra]
+                "--pool", "local", "--control-token-file", str(self.control_token_file), *extra]
         if s.max_model_len:
             argv += ["--max-model-len", str(s.max_model_len)]
         if s.kv_cache_bytes:
@@ -138,7 +148,7 @@ class LocalStack:
             self.procs += [self._worker(f"worker-{i}", "both", chunk) for i in range(s.decode_workers)]
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
                 "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout),
-                "--stall-timeout", str(s.stall_timeout)]
+                "--stall-timeout", str(s.stall_timeout), "--control-token-file", str(self.control_token_file)]
         if s.chat_template is not None:
             argv += ["--chat-template", str(s.chat_template)]
         for p in self.workers:
@@ -189,7 +199,7 @@ class LocalStack:
 
     def _router_sees_all_workers(self, client: httpx.Client) -> bool:
         try:
-            workers = client.get(f"{self.router.url}/workers", timeout=1.0).json()
+            workers = client.get(f"{self.router.url}/workers", headers=self.control.headers, timeout=1.0).json()
         except (httpx.HTTPError, ValueError):
             return False
         return sum(1 for w in workers if w.get("usable")) >= len(self.workers)
@@ -199,6 +209,7 @@ class LocalStack:
 
     def write_state(self, path: Path) -> None:
         state = {"url": self.url, "mode": self.spec.mode, "model": self.spec.model_name,
+                 "control_token_file": str(self.control_token_file),
                  "processes": [{"name": p.name, "role": p.role, "url": p.url, "kv_port": p.kv_port,
                                 "log_path": str(p.log_path), "pid": p.pid} for p in self.procs]}
         path.write_text(json.dumps(state, indent=2))
@@ -219,3 +230,9 @@ class LocalStack:
                 except subprocess.TimeoutExpired:
                     p.popen.kill()
                     p.popen.wait(5)
+
+
+def _run_tokens() -> ControlTokens:
+    """The stack's control token: the environment's (a file or the value) when set, else a fresh one."""
+    given = control_token.load(os.environ.get(control_token.ENV_TOKEN_FILE) or None)
+    return given if given is not None else ControlTokens((control_token.generate(),), "a fresh token for this run")

@@ -84,6 +84,8 @@ class WorkerServer:
     def _initialise_series(self) -> None:
         """Export this worker's series at 0 from the start: rate() and dashboards get 0, not "no data"."""
         self.telemetry.initialise_all(FINISH_REASONS[self.cfg.role], skip=(m.MIGRATIONS,))  # migrations: the router's
+        for reason in m.CONTROL_AUTH_REASONS:
+            self.telemetry.initialise(m.CONTROL_AUTH_FAILURES, reason=reason)
 
     # --- loading ---
     @property
