@@ -245,6 +245,18 @@ def test_a_trickling_body_is_cut_off_at_the_body_timeout(start_router: Callable[
     assert resp.status_code == 200, resp.text  # a whole body in time is served as before
 
 
+def test_a_malformed_request_head_is_a_400_in_openai_shape(start_router: Callable[..., str]) -> None:
+    url = start_router([], [FakeWorker("both")])
+    port = int(url.rsplit(":", 1)[1])
+    for head in (b"GARBAGE\r\n\r\n", b"GET /health HTTP/1.1\r\nHost: r\r\nno colon here\r\n\r\n"):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(head)
+            data, _ = read_all(sock, 10)
+        status, _, body = data.partition(b"\r\n\r\n")
+        assert status.startswith(b"HTTP/1.1 400"), data[:200]
+        assert json.loads(body)["error"]["code"] == "invalid_http_request"
+
+
 # ---------------------------------------------------------------- admission
 
 
