@@ -4,9 +4,13 @@
 2. The images built locally and loaded into the node (hack/images.py).
 3. charts/tandem installed with those images: the operator runs as a pod with the chart's RBAC.
 4. DIR served to the workers through a hostPath PersistentVolume and its claim.
-5. A DisaggregatedModel for it (both pools on the real node, `device: cpu`, transport auto), with
-   the node's RDMA resource withdrawn first: auto must then schedule and serve over tcp.
-6. Its Ready condition awaited, every condition change on the way recorded; the router reached on
+5. Prometheus on the node IP, scraping every pod the operator makes (hack/e2e_metrics.py), and
+   the chart's operator pointed at it.
+6. A DisaggregatedModel for it (both pools on the real node, `device: cpu`, transport auto), with
+   the node's RDMA resource withdrawn first: auto must then schedule and serve over tcp. Prefill
+   is autoscaled by Tandem on its queue (one sequence at a time, so a burst queues); decode is
+   scaled externally (`kubectl scale disaggregatedpool <name>-decode`).
+7. Its Ready condition awaited, every condition change on the way recorded; the router reached on
    127.0.0.1 through `kubectl port-forward`; one line printed: `router: http://127.0.0.1:PORT/v1`.
 Then, without --keep, the checks (tests/e2e/test_real_node.py, which reads STATE/e2e.json) and
 the teardown. With --keep everything stays up until `hack/cluster.sh down`.
@@ -27,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 import cluster  # noqa: E402
+import e2e_metrics  # noqa: E402
 import k8s_build  # noqa: E402
 import real_node  # noqa: E402
 
@@ -34,6 +39,7 @@ OPERATOR_NAMESPACE = "tandem-system"
 RELEASE = "tandem"
 MODEL_CLAIM = "model"
 ROUTER_PORT = 8000  # the router Service's default port
+AUTOSCALE_INTERVAL_S = 3
 
 
 def log(msg: str, t0: float = time.monotonic()) -> None:
@@ -94,7 +100,42 @@ def build_and_load_images(state: Path) -> None:
 
 # --- 3: the chart --------------------------------------------------------------------------
 
-def install_chart(kube: Kube) -> None:
+def start_prometheus(state: Path) -> str:
+    """Prometheus on the node IP (the operator pod reaches the host there) and its target writer,
+    both in the test bed's pids so that `hack/cluster.sh down` stops them; reused when running."""
+    sup = cluster.Supervisor(state)
+    saved = state / "prometheus.json"
+    if saved.exists() and all(pid_alive(sup.pids.get(n)) for n in ("prometheus", "pod-targets")):
+        return str(json.loads(saved.read_text())["url"])
+    work = state / "prometheus"
+    work.mkdir(exist_ok=True)
+    targets = work / "targets.json"
+    targets.write_text("[]")
+    (work / "prometheus.yml").write_text(json.dumps(e2e_metrics.prometheus_config(targets)))
+    port = cluster.free_port()
+    url = f"http://{real_node.NODE_IP}:{port}"
+    sup.start("pod-targets", [sys.executable, str(HERE / "e2e_metrics.py"), "targets",
+                              "--kubeconfig", str(state / "kubeconfig"), "--out", str(targets)])
+    sup.start("prometheus", ["prometheus", f"--config.file={work / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address={real_node.NODE_IP}:{port}"])
+    cluster.wait_for("prometheus", lambda: urllib.request.urlopen(f"{url}/-/ready", timeout=3).status == 200,
+                     sup, timeout=60)
+    saved.write_text(json.dumps({"url": url}))
+    log(f"prometheus at {url}, scraping the operator's pods")
+    return url
+
+
+def pid_alive(pid: int | None) -> bool:
+    if pid is None:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def install_chart(kube: Kube, prometheus_url: str) -> None:
     # helm installs the chart's CRDs only on first install; the current ones are applied each time.
     for crd in sorted((REPO / "charts" / "tandem" / "crds").glob("*.yaml")):
         kube.kubectl("apply", "--server-side", "--force-conflicts", "-f", str(crd))
@@ -105,6 +146,8 @@ def install_chart(kube: Kube) -> None:
               "--set", "image.pullPolicy=Never",
               # The kwok nodes would "run" the operator without running it.
               "--set-string", f"nodeSelector.{node_label}=true",
+              "--set", f"operator.prometheusUrl={prometheus_url}",
+              "--set", f"operator.autoscaleInterval={AUTOSCALE_INTERVAL_S}",
               "--wait", "--timeout", "5m")
     log(f"chart installed: the operator runs in {OPERATOR_NAMESPACE}")
 
@@ -140,6 +183,16 @@ def resource(name: str, namespace: str, model_name: str) -> dict:  # type: ignor
     on_node = {k: v for k, v in real_node.NODE_LABELS.items() if k == "tandem.dev/real-node"}
     pool = {"replicas": 1, "device": "cpu", "nodeSelector": on_node, "shmSize": "256Mi",
             "resources": {"requests": {"cpu": "100m", "memory": "512Mi"}}}
+    # Prefill takes one sequence at a time, so that a burst of requests queues where Prometheus
+    # sees it. The queue is a gauge sampled every 2 s, and on 2 shared cores the burst shows in
+    # about 1 sample in 8 (measured): a target of 0.5 queued per replica scales up on any queued
+    # request the autoscaler sees; no scale-down for 90 s after a change (a new pod starts in 30-60 s here)
+    # and a 60 s window bring the pool back after the burst.
+    prefill = {**pool, "args": ["--max-num-seqs", "1"],
+               "autoscaling": {"enabled": True, "mode": "tandem", "minReplicas": 1, "maxReplicas": 2,
+                               "targetQueueDepth": 0.5, "scaleDownStabilizationSeconds": 60,
+                               "cooldownSeconds": 90}}
+    decode = {**pool, "autoscaling": {"enabled": True, "mode": "external", "minReplicas": 1, "maxReplicas": 3}}
     return {
         "apiVersion": "tandem.dev/v1alpha1", "kind": "DisaggregatedModel",
         "metadata": {"name": name, "namespace": namespace},
@@ -147,7 +200,7 @@ def resource(name: str, namespace: str, model_name: str) -> dict:  # type: ignor
             "model": {"name": model_name, "source": {"pvc": {"claimName": MODEL_CLAIM}},
                       "dtype": "float32", "maxModelLen": 512},
             "image": "tandem/worker:dev", "imagePullPolicy": "Never",
-            "prefill": pool, "decode": pool,
+            "prefill": prefill, "decode": decode,
             "router": {"replicas": 1, "nodeSelector": on_node},
         },
     }
@@ -232,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     timings = {"cluster": round(time.monotonic() - t0, 1)}
     build_and_load_images(state)
     timings["images"] = round(time.monotonic() - t0 - timings["cluster"], 1)
-    install_chart(kube)
+    prometheus_url = start_prometheus(state)
+    install_chart(kube, prometheus_url)
     kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": args.namespace}})
     kube.apply(*model_volume(args.namespace, model))
     withdraw_rdma(kube)
@@ -244,7 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     timings["total_setup"] = round(time.monotonic() - t0, 1)
     info = {"state": str(state), "kubeconfig": str(state / "kubeconfig"), "namespace": args.namespace,
             "name": args.name, "model_name": args.model_name, "model_dir": str(model), "router": url,
-            "operator_namespace": OPERATOR_NAMESPACE, "node": real_node.NODE_NAME,
+            "operator_namespace": OPERATOR_NAMESPACE, "node": real_node.NODE_NAME, "prometheus": prometheus_url,
+            "pvc": MODEL_CLAIM,
             "condition_history": history, "timings": timings, "started_cluster": started}
     (state / "e2e.json").write_text(json.dumps(info, indent=1))
     log(f"ready: setup took {timings}")
@@ -252,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.keep:
         return 0
     checks = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-v",
-                             str(REPO / "tests" / "e2e" / "test_real_node.py")],
+                             str(REPO / "tests" / "e2e")],
                             env=dict(os.environ, TANDEM_E2E_STATE=str(state)), cwd=REPO)
     torn = teardown(kube, state, info, started)
     log(f"checks exit {checks.returncode}, teardown exit {torn}; {time.monotonic() - t0:.0f}s in all")
