@@ -519,11 +519,12 @@ def kv_keys_secret(owner: Owner, keys: KVKeys) -> Manifest:
 
 
 def kv_keys_volume(owner: Owner) -> Manifest:
-    """The Secret as a volume: only its two keys, readable by the worker's user alone."""
+    """The Secret as a volume: only its two keys. Mode 0444 for the reason control_token_volume gives: the
+    kubelet writes the files as root, and 0400 left them unreadable to the worker's uid 65532."""
     return {"name": KV_KEYS_VOLUME, "secret": {
         "secretName": kv_keys_secret_name(owner),
         "items": [{"key": KV_PUBLIC_KEY, "path": KV_PUBLIC_KEY}, {"key": KV_SECRET_KEY, "path": KV_SECRET_KEY}],
-        "defaultMode": 0o400,
+        "defaultMode": 0o444,
     }}
 
 

@@ -350,7 +350,7 @@ def test_secure_workers_mount_the_keys_secret_and_pass_kv_keys(pool: str) -> Non
     assert {"name": "kv-keys", "secret": {
         "secretName": "tiny-kv-keys",
         "items": [{"key": "public", "path": "public"}, {"key": "secret", "path": "secret"}],
-        "defaultMode": 0o400,
+        "defaultMode": 0o444,
     }} in pod["volumes"]
     c = pod["containers"][0]
     assert {"name": "kv-keys", "mountPath": "/etc/tandem/kv-keys", "readOnly": True} in c["volumeMounts"]
