@@ -321,8 +321,12 @@ def import_into_containerd(paths: real_node.Paths, image: str, name: str, have: 
             sent += layer["size"]
     proc.stdin.close()
     if proc.wait() != 0:
-        raise SystemExit(f"ctr images import of {name} failed (exit {proc.returncode})")
+        raise ImportFailed(f"ctr images import of {name} failed (exit {proc.returncode})")
     return sent
+
+
+class ImportFailed(Exception):
+    pass
 
 
 IMAGE_ID_LABEL = "dev.tandem.buildah-image-id"
@@ -353,8 +357,21 @@ def load(state: Path, only: list[str]) -> None:
             log(f"{target} unchanged ({built[:12]}): not imported again")
             continue
         t0 = time.monotonic()
-        have = set(real_node.ctr(paths, "content", "ls", "-q").stdout.decode().split())
-        sent = import_into_containerd(paths, built, target, have)
+        sent = None
+        # containerd's garbage collector, woken by the previous import replacing a tag, can remove a
+        # snapshot the next unpack counts on ("parent snapshot ... does not exist"; seen once in a
+        # dozen loads): read what containerd has again and retry, then send every blob.
+        for attempt, everything in ((1, False), (2, False), (3, True)):
+            have = set() if everything else set(real_node.ctr(paths, "content", "ls", "-q").stdout.decode().split())
+            try:
+                sent = import_into_containerd(paths, built, target, have)
+                break
+            except ImportFailed as exc:
+                if everything:
+                    raise SystemExit(str(exc)) from None
+                log(f"{exc}; attempt {attempt + 1} in 3 s" + (" with every blob" if attempt == 2 else ""))
+                time.sleep(3)
+        assert sent is not None
         real_node.ctr(paths, "images", "label", target, f"{IMAGE_ID_LABEL}={built}")
         log(f"{target} imported in {time.monotonic() - t0:.0f}s ({sent / 2**20:.0f} MiB of new blobs)")
 
