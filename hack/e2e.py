@@ -198,7 +198,8 @@ def resource(name: str, namespace: str, model_name: str) -> dict:  # type: ignor
         "metadata": {"name": name, "namespace": namespace},
         "spec": {
             "model": {"name": model_name, "source": {"pvc": {"claimName": MODEL_CLAIM}},
-                      "dtype": "float32", "maxModelLen": 512},
+                      # Long enough for a stream that outlives a killed pod (the tiny models' 2048).
+                      "dtype": "float32", "maxModelLen": 2048},
             "image": "tandem/worker:dev", "imagePullPolicy": "Never",
             "prefill": prefill, "decode": decode,
             "router": {"replicas": 1, "nodeSelector": on_node},
