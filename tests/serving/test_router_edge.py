@@ -12,9 +12,12 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
 import re
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -104,6 +107,15 @@ def test_tandem_serve_passes_its_key_to_the_router_off_the_command_line(start_st
     with pytest.raises(openai.AuthenticationError):
         client(stack.url, "sk-not-the-key").chat.completions.create(
             model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    # `tandem bench` against the keyed router: with the key it completes, without it fails clearly.
+    bench = [sys.executable, "-m", "tandem.worker.cli", "bench", "--url", stack.url, "-n", "2", "--rate", "0",
+             "--prompt-tokens", "8", "--output-tokens", "2"]
+    keyed = subprocess.run(bench, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "OPENAI_API_KEY": KEYS[0]})
+    assert keyed.returncode == 0 and "2 completed" in keyed.stdout.replace("\n", " "), keyed.stdout[-2000:]
+    keyless = subprocess.run(bench, capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"})
+    assert keyless.returncode == 1 and "401" in keyless.stdout, keyless.stdout[-2000:]
 
 
 def test_the_operator_s_api_key_secret_reaches_the_router(start_router: Callable[..., str],

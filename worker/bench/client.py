@@ -115,10 +115,12 @@ async def send_one(client: httpx.AsyncClient, url: str, model: str, spec: Reques
 
 async def run_requests(url: str, model: str, specs: list[RequestSpec], prompts: list[str], *,
                        max_duration: float, request_timeout: float, token_ids: bool = False,
-                       on_done: Callable[[RequestResult], None] | None = None) -> tuple[list[RequestResult], float]:
+                       on_done: Callable[[RequestResult], None] | None = None,
+                       headers: dict[str, str] | None = None) -> tuple[list[RequestResult], float]:
     """Send each spec at its send_at; stop sending after max_duration. Returns results and wall time."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout, connect=10.0), limits=limits,
+                                 headers=headers or {}) as client:
         start = time.monotonic()
 
         async def fire(spec: RequestSpec, prompt: str) -> RequestResult:

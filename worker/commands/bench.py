@@ -59,13 +59,15 @@ def _check_rate(rate: float | None) -> float | None:
 @click.option("--per-token", is_flag=True,
               help="Ask for one chunk per token (vLLM's return_token_ids; Tandem and vLLM honour it) so ITL is "
                    "per token; by default a token whose text is still empty arrives with the next chunk.")
+@click.option("--api-key", envvar="OPENAI_API_KEY", default=None,
+              help="Sent as Authorization: Bearer, for a router started with --api-key (env: OPENAI_API_KEY).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the results as JSON here.")
 def command(url: str, model: str | None, num_requests: int, rate: float | None, arrival: str, prompt_tokens: int,
             output_tokens: int, trace: str | None, trace_offset: int, time_scale: float | None,
             length_scale: float | None, max_prompt_tokens: int, max_output_tokens: int,
             slo_ttft: float | None, slo_itl: float | None, max_duration: float, request_timeout: float,
-            seed: int, per_token: bool, json_path: Path | None) -> None:
+            seed: int, per_token: bool, api_key: str | None, json_path: Path | None) -> None:
     """Load-test an OpenAI endpoint: Poisson or constant arrivals, synthetic lengths or a trace."""
     console = Console(stderr=False)
     url = url.rstrip("/")
@@ -87,7 +89,8 @@ async def _run(console: Console, o: dict[str, Any]) -> str | None:
     """Run the benchmark and print its report; return why it failed as a whole (no request completed)."""
     url = o["url"]
     notes: list[str] = []
-    async with httpx.AsyncClient(timeout=30.0) as c:
+    headers = {"Authorization": f"Bearer {o['api_key']}"} if o["api_key"] else {}
+    async with httpx.AsyncClient(timeout=30.0, headers=headers) as c:
         model = o["model"] or await bench_client.model_name(c, url)
         sample = workload.prompt_text(workload.RequestSpec(0, CALIBRATION_WORDS, 1), -1, 1.0)
         tokens_per_word = await bench_client.calibrate(c, url, model, sample)
@@ -127,7 +130,7 @@ async def _run(console: Console, o: dict[str, Any]) -> str | None:
 
         results, wall = await bench_client.run_requests(
             url, model, specs, prompts, max_duration=o["max_duration"],
-            request_timeout=o["request_timeout"], token_ids=o["per_token"], on_done=done)
+            request_timeout=o["request_timeout"], token_ids=o["per_token"], on_done=done, headers=headers)
     skipped = len(specs) - len(results)
     if skipped:
         notes.append(f"{skipped} requests not sent: their send time was past --max-duration")
