@@ -288,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     timings["images"] = round(time.monotonic() - t0 - timings["cluster"], 1)
     prometheus_url = start_prometheus(state)
     install_chart(kube, prometheus_url)
-    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": args.namespace}})
+    # PodSecurity `restricted` enforced by the real apiserver: every pod the operator makes here
+    # (tcp workers, router) must pass it or it is refused at admission.
+    kube.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": args.namespace, "labels": {
+        "pod-security.kubernetes.io/enforce": "restricted", "pod-security.kubernetes.io/enforce-version": "latest"}}})
     kube.apply(*model_volume(args.namespace, model))
     withdraw_rdma(kube)
     t_apply = time.monotonic()

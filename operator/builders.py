@@ -227,21 +227,41 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": fetch_model_args(spec),
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}],
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, {"name": TMP_VOLUME, "mountPath": "/tmp"}],
+        "securityContext": dict(RESTRICTED_CONTEXT),
+        "env": SCRATCH_ENV + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pool(pool).env],
     }
-    if spec.pool(pool).env:
-        container["env"] = [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pool(pool).env]
     return container
+
+
+# What PodSecurity `restricted` asks of a container, plus a read-only root: the image's files cannot be
+# changed by the process that serves untrusted requests; /tmp is an emptyDir (TMP_VOLUME).
+RESTRICTED_CONTEXT: Manifest = {
+    "runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+    "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"},
+}
+TMP_VOLUME = "tmp"
+TMP_SIZE = "1Gi"  # scratch only (CUDA and Triton kernel caches under HOME=/tmp); the model is elsewhere
 
 
 def worker_security_context(spec: DisaggregatedModelSpec, resources: ResourceRequirements) -> Manifest:
     """RDMA memory registration pins pages, which needs CAP_IPC_LOCK, and Kubernetes makes an added
-    capability effective only for root (the image runs as uid 65532): RDMA pods run as root with it.
-    Every other worker needs no privilege at all."""
+    capability effective only for root (the image runs as uid 65532): RDMA pods run as root with it
+    (unchanged: that path cannot be tried here). Every other worker gets no privilege at all."""
     rdma_listed = spec.kv_transfer.rdma_resource in {**resources.requests, **resources.limits}
     if requests_rdma(spec) or rdma_listed:  # transport auto uses RDMA where a pod lists the device
         return {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
-    return {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    return dict(RESTRICTED_CONTEXT)
+
+
+def _scratch(volumes: list[Manifest], mounts: list[Manifest]) -> None:
+    """A writable /tmp under a read-only root filesystem."""
+    volumes.append({"name": TMP_VOLUME, "emptyDir": {"sizeLimit": TMP_SIZE}})
+    mounts.append({"name": TMP_VOLUME, "mountPath": "/tmp"})
+
+
+# HOME on the scratch volume: the image's home is on the read-only root (caches written under HOME).
+SCRATCH_ENV: list[Manifest] = [{"name": "HOME", "value": "/tmp"}]
 
 
 def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, spec_fingerprint: str,
@@ -264,6 +284,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
     ]
     volumes: list[Manifest] = [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": str(pool_spec.shm_size)}}]
     mounts: list[Manifest] = [{"name": "shm", "mountPath": "/dev/shm"}]
+    _scratch(volumes, mounts)
     if spec.model.source.pvc is not None:
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": spec.model.source.pvc.claim_name, "readOnly": True}})
@@ -286,7 +307,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": args,
-        "env": _env(pool_spec.env),
+        "env": SCRATCH_ENV + _env(pool_spec.env),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
                   {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}],
         "resources": _resources(pool_spec.resources, extended),
@@ -299,6 +320,8 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
     }
     pod_spec: Manifest = {
         "containers": [container],
+        # Workers never call the Kubernetes API: no token for a compromised worker to use.
+        "automountServiceAccountToken": False,
         "nodeSelector": node_selector,
         "tolerations": tolerations,
         "volumes": volumes,
@@ -391,15 +414,17 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
     _mount_control_token(owner, volumes, mounts, annotations, control_token_fingerprint)
+    _scratch(volumes, mounts)
     container: Manifest = {
         "name": "router",
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": args,
-        "env": _env(router.env) + router_api_key_env(router),
+        "env": SCRATCH_ENV + _env(router.env) + router_api_key_env(router),
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
+        "securityContext": dict(RESTRICTED_CONTEXT),
         "volumeMounts": mounts,
         # Imports and uvicorn start take tens of seconds on a busy node: liveness waits for the first answer
         # (without this the e2e router was restarted before it had started).

@@ -100,6 +100,26 @@ def test_status_printer_columns_and_events_now(setup: Any) -> None:
     assert (last["type"], last["reason"]) == ("Normal", "Ready"), last["message"]
 
 
+def test_pods_pass_podsecurity_restricted_with_a_read_only_root(setup: Any) -> None:
+    """The namespace enforces PodSecurity `restricted` (the apiserver refuses any pod that breaks it),
+    so these pods running is the check; on top, what restricted does not ask: a read-only root that
+    holds (a write outside /tmp fails in the pod) and no API token in the workers."""
+    ns = setup.json("get", "namespace", setup.namespace)
+    assert ns["metadata"]["labels"].get("pod-security.kubernetes.io/enforce") == "restricted"
+    pods = setup.json("get", "pods", "-n", setup.namespace, "-l", f"app.kubernetes.io/instance={setup.name}")["items"]
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == {"prefill", "decode", "router"}
+    for pod in pods:
+        name, component = pod["metadata"]["name"], pod["metadata"]["labels"]["app.kubernetes.io/component"]
+        probe = ("import pathlib\nfor d in ('/home/tandem', '/opt/venv', '/tmp'):\n"
+                 "    try:\n        pathlib.Path(d, 'probe').write_text('x'); print(d, 'writable')\n"
+                 "    except OSError as e:\n        print(d, 'refused', e.errno)\n"
+                 "print('token', pathlib.Path('/var/run/secrets/kubernetes.io/serviceaccount/token').exists())")
+        out = setup.kubectl("exec", "-n", setup.namespace, name, "--", "python3", "-c", probe)
+        assert "/home/tandem refused 30" in out and "/opt/venv refused 30" in out, (name, out)  # EROFS
+        assert "/tmp writable" in out, (name, out)
+        assert f"token {component == 'router'}" in out, (name, out)
+
+
 def test_operator_runs_as_a_pod_with_the_charts_rbac(setup: Any) -> None:
     pods = setup.json("get", "pods", "-n", setup.info["operator_namespace"])["items"]
     running = [p for p in pods if p["status"]["phase"] == "Running" and p["spec"]["nodeName"] == setup.info["node"]]

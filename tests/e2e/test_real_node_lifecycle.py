@@ -1,5 +1,5 @@
-"""Tandem on real pods while things change: scaling, a killed decode pod, the autoscaler, a rolling
-update, a restarted operator, a second model with the same served name, and deletion.
+"""Tandem on real pods while things change: scaling, a killed decode pod, the autoscaler, rolling
+updates (one of them a KV layout change), a restarted operator, a second model with the same served name, and deletion.
 
 Each step is what a user does with kubectl (or what a node does to a pod), under real streaming
 load from the openai client where the claim is "no request fails". The setup is shared with
@@ -58,8 +58,7 @@ def wait_pool(setup: Any, component: str, replicas: int, timeout: float = 300, n
 
 def prometheus_value(setup: Any, query: str) -> float | None:
     """`query`'s value in Prometheus now; None when it has no series or is NaN (no data)."""
-    url = f"{setup.info['prometheus']}/api/v1/query?" + urllib.parse.urlencode({"query": query})
-    result = json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]
+    result = prometheus_series(setup, query)
     value = float(result[0]["value"][1]) if result else None
     return None if value is None or math.isnan(value) else value
 
@@ -159,19 +158,56 @@ def test_spec_change_rolls_both_pools_under_load_with_no_failure(setup: Any, ste
         load.wait_completed(3)
         setup.kubectl("patch", "disaggregatedmodel", setup.name, "-n", setup.namespace, "--type=merge",
                       "-p", json.dumps({"spec": {"prefill": {"env": env}, "decode": {"env": env}}}))
-
-        def rolled() -> bool:
-            pods = [p for c in ("prefill", "decode") for p in setup.pods(c)]
-            return (not {p["metadata"]["name"] for p in pods} & old and len(pods) == 2
-                    and all(p["status"].get("containerStatuses") and p["status"]["containerStatuses"][0]["ready"]
-                            for p in pods) and setup.ready_condition() == "True")
-        setup.wait("both pools replaced by ready pods with the new env", rolled, timeout=420)
+        setup.wait("both pools replaced by ready pods with the new env", lambda: rolled(setup, old), timeout=420)
         load.wait_completed(3)
     assert not load.failures, f"{len(load.failures)} of {load.completed + len(load.failures)} failed: " \
                               f"{load.failures[:5]}"
     for component in ("prefill", "decode"):
         env_now = setup.pods(component)[0]["spec"]["containers"][0].get("env", [])
         assert {"name": "TANDEM_E2E_ROLL", "value": env[0]["value"]} in env_now
+
+
+def test_a_kv_layout_change_rolls_without_ever_pairing_old_and_new(setup: Any, steady_load: Any) -> None:
+    """blockSize 16 -> 32 changes every worker's KV layout. While both pools roll under load the
+    router must pair a prefill and a decode worker only on equal layouts: no KV transfer fails on
+    any pod (Prometheus keeps the series of the pods that are gone), no answer differs, and after
+    the roll KV moves between the new pods."""
+    old = {p["metadata"]["name"] for c in ("prefill", "decode") for p in setup.pods(c)}
+    failures_query = (f'max_over_time({m.exposed_name(m.KV_TRANSFER_FAILURES)}{{namespace="{setup.namespace}",'
+                      f'tandem_dev_model="{setup.name}"}}[30m])')
+    assert not prometheus_series(setup, failures_query), "KV transfers failed before this test"
+    with steady_load(clients=2) as load:
+        load.wait_completed(3)
+        setup.kubectl("patch", "disaggregatedmodel", setup.name, "-n", setup.namespace, "--type=merge",
+                      "-p", json.dumps({"spec": {"kvTransfer": {"blockSize": 32}}}))
+        setup.wait("both pools replaced by ready pods with the new layout", lambda: rolled(setup, old), timeout=420)
+        load.wait_completed(5)
+    assert not load.failures, f"{len(load.failures)} of {load.completed + len(load.failures)} failed: " \
+                              f"{load.failures[:5]}"
+    time.sleep(4)  # two scrapes
+    failed = {s["metric"].get("pod"): s["value"][1] for s in prometheus_series(setup, failures_query)
+              if float(s["value"][1]) > 0}
+    assert not failed, f"KV transfers failed during the layout change (a mixed pair?): {failed}"
+    decode = setup.pods("decode")[0]
+    assert flag(decode["spec"]["containers"][0]["args"], "--block-size") == "32"
+    assert setup.pod_metrics(decode).get(m.exposed_name(m.KV_TRANSFER_BYTES), 0.0) > 0, "no KV reached the new decode"
+
+
+def rolled(setup: Any, old: set[str]) -> bool:
+    """Every prefill and decode pod is new and ready, and the resource is Ready."""
+    pods = [p for c in ("prefill", "decode") for p in setup.pods(c)]
+    return (bool(pods) and not {p["metadata"]["name"] for p in pods} & old
+            and all(p["status"].get("containerStatuses") and p["status"]["containerStatuses"][0]["ready"]
+                    for p in pods) and setup.ready_condition() == "True")
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def prometheus_series(setup: Any, query: str) -> list[Any]:
+    url = f"{setup.info['prometheus']}/api/v1/query?" + urllib.parse.urlencode({"query": query})
+    return json.load(urllib.request.urlopen(url, timeout=10))["data"]["result"]  # type: ignore[no-any-return]
 
 
 # --- the operator restarted ----------------------------------------------------------------

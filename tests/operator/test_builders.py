@@ -131,7 +131,8 @@ def test_user_resources_are_kept_next_to_the_gpus() -> None:
 def test_only_rdma_workers_get_root_and_ipc_lock() -> None:
     """IPC_LOCK is effective only for root (the image runs as 65532): RDMA pods run as root with it,
     every other worker with no privilege."""
-    unprivileged = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}
+    unprivileged = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
+                    "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"}}
     rdma = {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
     for transport, expected in (("auto", unprivileged), ("tcp", unprivileged), ("rdma", rdma)):
         spec = spec_of(kvTransfer={"transport": transport})
@@ -215,18 +216,19 @@ def test_uri_source_is_fetched_into_an_empty_dir_by_an_init_container(pool: str,
         "command": ["tandem"],
         "args": ["fetch-model", "--uri", "https://models.example/tiny.tar.gz", "--dest", "/models/model",
                  *checksum_args],
-        "env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
-        "volumeMounts": [{"name": "model", "mountPath": "/models"}],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
+        "volumeMounts": [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
+        "securityContext": builders.RESTRICTED_CONTEXT,
     }
     worker_container = pod["containers"][0]
     assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker_container["volumeMounts"]
     assert flags(worker_container["args"])["model"] == "/models/model"
 
 
-def test_init_container_env_is_left_out_when_the_pool_has_none() -> None:
+def test_init_container_env_is_only_home_when_the_pool_has_none() -> None:
     spec = spec_of(model={"name": "m", "source": {"uri": "http://10.0.0.5:8080/m.tar"}})
     (init,) = worker(spec, "decode")["spec"]["template"]["spec"]["initContainers"]
-    assert "env" not in init
+    assert init["env"] == [{"name": "HOME", "value": "/tmp"}]
     assert init["args"] == ["fetch-model", "--uri", "http://10.0.0.5:8080/m.tar", "--dest", "/models/model"]
 
 
@@ -424,3 +426,28 @@ def test_keys_secret_manifest() -> None:
 def test_the_keys_secret_is_not_among_the_applied_children() -> None:
     """Applying it would write new keys at every reconcile: it is created once, by kv_keys.ensure."""
     assert not [name for kind, name in secure_children() if kind == "Secret"]
+
+
+def test_workers_and_router_run_restricted_with_a_read_only_root_and_scratch_tmp() -> None:
+    """PodSecurity `restricted` for tcp models (the e2e namespace enforces it on the real apiserver),
+    a read-only root with an emptyDir /tmp and HOME there, and no API token on the workers."""
+    spec = spec_of(kvTransfer={"transport": "tcp"})
+    children = {(c["kind"], c["metadata"]["name"]): c for c in
+                builders.build_children(OWNER, spec, {"prefill": 1, "decode": 1}, spec_fingerprint(spec))}
+    for name in ("tiny-prefill", "tiny-decode", "tiny-router"):
+        pod = children[("Deployment", name)]["spec"]["template"]["spec"]
+        c = pod["containers"][0]
+        assert c["securityContext"] == builders.RESTRICTED_CONTEXT, name
+        assert {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"], name
+        assert {"name": "tmp", "mountPath": "/tmp"} in c["volumeMounts"], name
+        assert c["env"][0] == {"name": "HOME", "value": "/tmp"}, name
+        # The router reads EndpointSlices with its token; workers have none.
+        assert pod.get("automountServiceAccountToken", True) is (name == "tiny-router"), name
+
+
+def test_fetch_model_init_container_is_restricted_too() -> None:
+    spec = spec_of(model={"name": "tiny", "source": {"uri": "https://models.example/tiny.tar.gz"}})
+    pod = worker(spec, "decode")["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert init["securityContext"] == builders.RESTRICTED_CONTEXT
+    assert {"name": "tmp", "mountPath": "/tmp"} in init["volumeMounts"]
