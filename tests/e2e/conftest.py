@@ -36,6 +36,14 @@ WORKER_HTTP_PORT = 8000  # operator/builders.py HTTP_PORT: the workers' /metrics
 class Setup:
     info: dict[str, Any]
     env: dict[str, str]
+    closer: Callable[[], None] | None = None
+
+    def close(self) -> None:
+        """Tear the setup down now (once): the last e2e module does, so that the rest of the suite
+        does not run beside a real node."""
+        closer, self.closer = self.closer, None
+        if closer is not None:
+            closer()
 
     @property
     def namespace(self) -> str:
@@ -153,15 +161,20 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         pytest.fail(f"hack/e2e.sh failed ({proc.returncode}); its last output line {router_line!r}:\n"
                     f"{proc.stderr[-8000:]}", pytrace=False)
     info = json.loads((state / "e2e.json").read_text())
-    yield Setup(info, dict(os.environ, KUBECONFIG=info["kubeconfig"]))
-    if owner:
-        subprocess.run([str(k8s_build.bin_dir() / "kubectl"), f"--kubeconfig={info['kubeconfig']}", "delete",
-                        "namespace", info["namespace"], "--ignore-not-found"], capture_output=True)
-        return
-    down = subprocess.run([str(REPO / "hack" / "cluster.sh"), "down", "--state", str(state)],
-                          capture_output=True, text=True)
-    # `down` fails when it leaves anything behind (processes, mounts, links, chains, cgroups, sysctls).
-    assert down.returncode == 0, f"hack/cluster.sh down:\n{down.stderr[-4000:]}"
+
+    def tear_down() -> None:
+        if owner:
+            subprocess.run([str(k8s_build.bin_dir() / "kubectl"), f"--kubeconfig={info['kubeconfig']}", "delete",
+                            "namespace", info["namespace"], "--ignore-not-found"], capture_output=True)
+            return
+        down = subprocess.run([str(REPO / "hack" / "cluster.sh"), "down", "--state", str(state)],
+                              capture_output=True, text=True)
+        # `down` fails when it leaves anything behind (processes, mounts, links, chains, cgroups, sysctls).
+        assert down.returncode == 0, f"hack/cluster.sh down:\n{down.stderr[-4000:]}"
+
+    setup = Setup(info, dict(os.environ, KUBECONFIG=info["kubeconfig"]), closer=tear_down)
+    yield setup
+    setup.close()  # when the last module did not (run alone, or stopped early)
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,13 @@ GENERATED = m.exposed_name(m.GENERATION_TOKENS)
 PROMPT_TOKENS = m.exposed_name(m.PROMPT_TOKENS)
 RUNNING = m.exposed_name(m.RUNNING_REQUESTS)
 MIGRATIONS = m.exposed_name(m.MIGRATIONS)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tear_down_after_the_last_check(setup: Any) -> Iterator[None]:
+    """This module is the last of tests/e2e: the real node goes with it, not at the end of the suite."""
+    yield
+    setup.close()
 
 
 def scale_decode(setup: Any, replicas: int) -> None:
