@@ -42,6 +42,7 @@ import zmq
 from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer import allocator, tcp_receiver, wire
+from tandem.worker.transfer.limits import DEFAULT_FRAME_BYTES, ReceiverLimits
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
 
@@ -161,14 +162,15 @@ wire.frame_digest = _digest_unless_ablated  # the senders all live in this proce
 
 
 def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool, keys: KVKeys | None = None,
-               checks: bool = True) -> None:
+               checks: bool = True, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
     if not checks:  # this child serves one ablated variant: no payload digest, no copy into the cache
         global _unchecked
         _unchecked = True
         tcp_receiver.write_blocks = lambda *args: None
     cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                         LAYOUT.head_dim, dtype=torch.float16)
-    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys)
+    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys,
+                           limits=ReceiverLimits(max_frame_bytes=max_frame_bytes))  # its sender's frames fit
     conn.send(receiver.address)
     done = threading.Event()
     errors: list[str] = []
@@ -201,7 +203,8 @@ class TcpClient:
         keys = KVKeys.generate() if variant.secure else None
         self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks,
                                                                              variant.keep_freed_buffers, keys,
-                                                                             variant.checks), daemon=True)
+                                                                             variant.checks, variant.frame_bytes),
+                                                    daemon=True)
         self.proc.start()
         address = self.pipe.recv()
         cache = torch.randn(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,

@@ -99,6 +99,11 @@ KV_TRANSFER_FAILURES = MetricDef(f"{PREFIX}_kv_transfer_failures", "counter",
 KV_TRANSPORT_INFO = MetricDef(f"{PREFIX}_kv_transport", "gauge",
                               "1 for the KV transport this worker selected (auto picks rdma or tcp).",
                               labels=(*COMMON_LABELS, LABEL_TRANSPORT))
+KV_RECEIVER_REFUSALS = MetricDef(
+    f"{PREFIX}_kv_receiver_refusals", "counter",
+    "Peers a KV receiver refused or disconnected for going over one of its limits, by reason "
+    "(too_many_sessions|peer_sessions|peer_connections|bytes_in_flight|dropped).",
+    labels=(*COMMON_LABELS, LABEL_TRANSPORT, LABEL_REASON))
 FALLBACK_PREFILLS = MetricDef(f"{PREFIX}_fallback_prefills", "counter",
                               "Requests prefilled locally on decode after a failed KV transfer.")
 MIGRATIONS = MetricDef(f"{PREFIX}_migrations", "counter",
@@ -133,7 +138,7 @@ ALL_WORKER_METRICS = (
     PREFILL_QUEUE_REQUESTS, PREFILL_QUEUE_TOKENS, RUNNING_REQUESTS, WAITING_REQUESTS,
     KV_USAGE_RATIO, KV_FREE_BLOCKS, KV_TOTAL_BLOCKS, TTFT, ITL, E2E, PROMPT_TOKENS,
     GENERATION_TOKENS, REQUESTS, PREFIX_CACHE_QUERIES, PREFIX_CACHE_HITS, PREEMPTIONS, KV_TRANSFER_BYTES,
-    KV_TRANSFER_SECONDS, KV_TRANSFER_FAILURES, KV_TRANSPORT_INFO, FALLBACK_PREFILLS, MIGRATIONS,
+    KV_TRANSFER_SECONDS, KV_TRANSFER_FAILURES, KV_RECEIVER_REFUSALS, KV_TRANSPORT_INFO, FALLBACK_PREFILLS, MIGRATIONS,
     WORKER_READY, CONTROL_AUTH_FAILURES,
 )
 

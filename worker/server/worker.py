@@ -40,7 +40,8 @@ from tandem.worker.transfer.errors import ABANDONED, TIMEOUT
 log = logging.getLogger(__name__)
 
 # Registered by TransferTelemetry, in this worker's registry (see _start_transport).
-TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_TRANSPORT_INFO)
+TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FAILURES, m.KV_RECEIVER_REFUSALS,
+                    m.KV_TRANSPORT_INFO)
 # The finish reasons tandem_requests_total counts on each role (the engine's finish_reason): a prefill
 # worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
 FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}

@@ -57,6 +57,7 @@ from .errors import (
     UNAVAILABLE,
     TransferError,
 )
+from .limits import HEADER_ROOM, ReceiverLimits
 from .rdma_verbs import QP_DEPTH, PyverbsVerbs, VerbsFactory
 from .tcp_receiver import TcpReceiver
 from .tcp_sender import SILENCE_TIMEOUT_S, OutgoingTransfer, TcpConnection, TcpSender
@@ -97,7 +98,7 @@ class RdmaReceiver(TcpReceiver):
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
                  keep_freed_buffers: bool = True, keys: KVKeys | None = None,
-                 verbs_factory: VerbsFactory | None = None) -> None:
+                 verbs_factory: VerbsFactory | None = None, limits: ReceiverLimits | None = None) -> None:
         check_cache(layout, kv_cache)  # before anything is registered
         self._verbs = (verbs_factory or PyverbsVerbs)(kv_cache, True)
         self._rdma_lock = threading.Lock()  # _qps, _fenced, _fence_queue: the I/O thread and cancel()
@@ -108,10 +109,16 @@ class RdmaReceiver(TcpReceiver):
         self._fenced_transfers: dict[str, str] = {}  # transfer -> why its sender was fenced (for its FAILED)
         try:
             super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry,
-                             keep_freed_buffers=keep_freed_buffers, keys=keys)
+                             keep_freed_buffers=keep_freed_buffers, keys=keys, limits=limits)
         except BaseException:
             self._verbs.close()
             raise
+
+    def _max_part_bytes(self) -> int:
+        """No data frames come over zmq here, but FINISH lists every piece with its digest: at worst one
+        piece per (layer, K/V, block) of the pool, each `[layer,kind,[block],[digest high,digest low]],`."""
+        piece = 64 + len(str(self.num_blocks))
+        return max(super()._max_part_bytes(), 2 * self.layout.num_layers * self.num_blocks * piece + HEADER_ROOM)
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         remote = peer.get("rdma")

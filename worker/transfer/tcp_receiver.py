@@ -29,11 +29,13 @@ from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 
 from . import allocator, wire
+from . import limits as _limits
 from .blocks import check_cache, write_blocks
 from .errors import (
     ABORTED,
     AUTH_FAILED,
     CLOSED,
+    CONNECT_FAILED,
     INVALID_FRAME,
     PEER_LOST,
     REASONS,
@@ -64,6 +66,7 @@ _RECENT_OUTCOMES = 4096  # finished transfers remembered, to answer late FINISH/
 class _Session:
     session_id: str
     control: bytes  # routing id of the sender's first stream: replies go there
+    host: str | None = None  # the peer's address (the per-peer session cap counts it)
     identities: set[bytes] = field(default_factory=set)
     fds: set[int] = field(default_factory=set)
 
@@ -75,18 +78,28 @@ class TcpReceiver:
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
-                 keep_freed_buffers: bool = True, keys: KVKeys | None = None) -> None:
+                 keep_freed_buffers: bool = True, keys: KVKeys | None = None,
+                 limits: _limits.ReceiverLimits | None = None) -> None:
         check_cache(layout, kv_cache)
         if keep_freed_buffers:  # zmq's receive buffers: see allocator.py
             allocator.keep_freed_buffers()
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
         self.num_blocks = kv_cache.shape[2]
         self.telemetry = telemetry or TransferTelemetry()
+        self.limits = limits or _limits.ReceiverLimits()
+        self.max_part_bytes = self._max_part_bytes()
+        # The most undelivered bytes one legitimate connection can have: its queued messages and the
+        # one being read (a data frame: header, block ids, K and V parts); with none queued, that one.
+        self.max_message_bytes = 2 * self.max_part_bytes
+        self.max_connection_bytes = (self.limits.rcvhwm + 1) * self.max_message_bytes
         self._ctx = zmq.Context()
         self._router = self._ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer errors, not blocks
-        self._router.setsockopt(zmq.RCVHWM, 0)
+        # Bounded receiving (limits.py): zmq drops a peer that announces a bigger part, and stops
+        # reading a connection with rcvhwm messages queued.
+        self._router.setsockopt(zmq.MAXMSGSIZE, self.max_part_bytes)
+        self._router.setsockopt(zmq.RCVHWM, self.limits.rcvhwm)
         # kvTransfer.secure: only peers holding the model's keys get through (security.py).
         self._auth = serve_securely(self._ctx, self._router, keys) if keys is not None else None
         try:
@@ -112,6 +125,10 @@ class TcpReceiver:
         self._accepted: dict[int, int] = {}  # fd -> connections accepted on it so far (its epoch)
         self._fd_sessions: dict[int, dict[str, int]] = {}  # fd -> {session id: epoch when bound}
         self._closes: list[tuple[int, int]] = []  # (fd, epoch) of closes read but not yet applied
+        self._connections: dict[int, _limits.Connection] = {}  # fd -> the open connection on it (limits.py)
+        self._next_check = 0.0  # when the I/O thread next reads the connections' bytes in flight
+        self._drained = True  # the last look at the socket found no complete message left
+        self._cut_in_handshake = 0  # connections cut at accept whose failed handshake is still to be read
         self._closing = False
         self._wakeup = Wakeup()
         self._io_wakes_at = 0.0  # the latest the I/O thread looks at deadlines next (monotonic)
@@ -206,6 +223,8 @@ class TcpReceiver:
                 self._wakeup.clear()
             if self._monitor in events:
                 self._read_monitor()
+            if self._router not in events:
+                self._drained = True
             if self._router in events or self._closes:
                 # A closed peer's last messages are queued before its disconnect event is sent:
                 # read them all first, so its session is known when the disconnect is handled.
@@ -213,6 +232,7 @@ class TcpReceiver:
             closes, self._closes = self._closes, []
             for fd, epoch in closes:
                 self._peer_closed(fd, epoch)
+            self._check_connections()
             self._expire()
         self._fail_all(TransferError(CLOSED, "the receiver was closed"))
 
@@ -220,6 +240,8 @@ class TcpReceiver:
         now = time.monotonic()
         with self._lock:
             timeout_ms = poll_timeout_ms((r.deadline for r in self._reservations.values()), now)
+            if self._connections:  # bytes in flight are read every check_interval_s while any is open
+                timeout_ms = max(0, min(timeout_ms, int((self._next_check - now) * 1000) + 1))
             self._io_wakes_at = now + timeout_ms / 1000
         return timeout_ms
 
@@ -237,22 +259,34 @@ class TcpReceiver:
         for event, fd in monitor_events(self._monitor):
             if event == zmq.EVENT_ACCEPTED:
                 self._accepted[fd] = self._accepted.get(fd, 0) + 1
+                self._connection_accepted(fd, self._accepted[fd])
             elif event == zmq.EVENT_DISCONNECTED:
                 self._closes.append((fd, self._accepted.get(fd, 0)))
+                self._connection_closed(fd, self._accepted.get(fd, 0))
             elif event & HANDSHAKE_FAILED_EVENTS:
-                refused += 1
+                if self._cut_in_handshake:  # (the value is an errno) one this receiver cut at its accept:
+                    self._cut_in_handshake -= 1  # counted under its limit, not as a failed handshake
+                else:
+                    refused += 1
         if refused:
             self._refused_peers(refused)
 
     def _drain_router(self) -> None:
+        self._drained = False
         handled = 0
+        curve = self._auth is not None
         # Bounded, so deadlines and monitor events get their turn; unbounded while closes wait.
         while handled < 256 or self._closes:
             handled += 1
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._drained = True
                 return
+            conn = self._connections.get(source_fd(parts[1]) or -1) if len(parts) > 1 else None
+            if conn is not None:  # its bytes are no longer held by zmq (the routing id never was on the wire)
+                conn.delivered += _limits.wire_bytes([len(part) for part in parts[1:]], curve)
+                conn.messages += 1
             try:
                 self._handle(parts)
             except Exception:  # one bad message must never stop the receiver
@@ -286,6 +320,10 @@ class TcpReceiver:
             self._send(identity, wire.encode_control(wire.REFUSE, refusal.to_wire()))
             return
         session_id = str(peer.get("session"))
+        over = self._over_session_limit(session_id, fd)
+        if over is not None:
+            self._send(identity, wire.encode_control(wire.REFUSE, TransferError(CONNECT_FAILED, over).to_wire()))
+            return
         try:
             extra = self._welcome_extra(session_id, peer)
         except TransferError as exc:
@@ -293,7 +331,8 @@ class TcpReceiver:
             self.telemetry.failed(self.transport, exc.reason)
             self._send(identity, wire.encode_control(wire.REFUSE, exc.to_wire()))
             return
-        session = _Session(session_id, identity)
+        conn = self._connections.get(fd) if fd is not None else None
+        session = _Session(session_id, identity, host=conn.host if conn is not None else None)
         self._sessions[session_id] = session
         self._bind(session, identity, fd)
         self._send(identity, wire.encode_control(wire.WELCOME, {
@@ -302,6 +341,100 @@ class TcpReceiver:
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
         return {}
+
+    def _max_part_bytes(self) -> int:
+        """ZMQ_MAXMSGSIZE: the largest message part a legitimate sender sends this receiver (limits.py)."""
+        return _limits.max_part_bytes(self.layout, self.num_blocks, self.limits.max_frame_bytes)
+
+    # --- limits (limits.py) ------------------------------------------------------------------
+
+    def _refuse_peer(self, reason: str, message: str) -> None:
+        log.warning("KV receiver %s: %s", self.address, message)
+        self.telemetry.refused(self.transport, reason)
+
+    def _over_session_limit(self, session_id: str, fd: int | None) -> str | None:
+        """Why a HELLO must be refused for the receiver's session caps (and count it), or None."""
+        if session_id in self._sessions:
+            return None  # the same session saying HELLO again: nothing new is held
+        conn = self._connections.get(fd) if fd is not None else None
+        host = conn.host if conn is not None else None
+        if len(self._sessions) >= self.limits.max_sessions:
+            reason, message = _limits.TOO_MANY_SESSIONS, (
+                f"refused a sender from {host or 'an unknown address'}: {len(self._sessions)} sender sessions "
+                f"are open, the most this receiver takes (max_sessions)")
+        elif host is not None and sum(1 for s in self._sessions.values() if s.host == host) \
+                >= self.limits.max_sessions_per_peer:
+            reason, message = _limits.PEER_SESSIONS, (
+                f"refused a sender from {host}: that address has {self.limits.max_sessions_per_peer} sender "
+                "sessions open, the most one peer may (max_sessions_per_peer)")
+        else:
+            return None
+        self._refuse_peer(reason, message)
+        return f"the KV receiver at {self.address} {message.removeprefix('refused a sender from ')}"
+
+    def _connection_accepted(self, fd: int, epoch: int) -> None:
+        described = _limits.describe_fd(fd)
+        if described is None:
+            return  # already closed again (its close event follows)
+        local, peer = described
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
+        conn = _limits.Connection(fd, epoch, local, peer, host)
+        self._connections[fd] = conn
+        count = sum(1 for c in self._connections.values() if c.host == host)
+        if count > self.limits.max_connections_per_peer and _limits.shut_down(conn):
+            conn.cut = True
+            self._cut_in_handshake += 1
+            self._refuse_peer(_limits.PEER_CONNECTIONS, (
+                f"closed a connection from {host}: that address has {count - 1} connections open, the most one "
+                "peer may (max_connections_per_peer)"))
+
+    def _connection_closed(self, fd: int, epoch: int) -> None:
+        conn = self._connections.get(fd)
+        if conn is None or conn.epoch > epoch:
+            return
+        del self._connections[fd]
+        if conn.messages == 0 and not conn.cut and not self._closing:
+            self._refuse_peer(_limits.DROPPED, (
+                f"a connection from {conn.host} closed before it delivered any message: a message part over "
+                f"{self.max_part_bytes} bytes (zmq's limit, max_frame_bytes), a zmq protocol error, or a peer that "
+                "connected and left"))
+
+    def _check_connections(self) -> None:
+        """Shut down connections that hold more undelivered bytes than a legitimate sender can."""
+        now = time.monotonic()
+        if not self._connections or now < self._next_check:
+            return
+        self._next_check = now + self.limits.check_interval_s
+        per_peer: dict[str, list[_limits.Connection]] = {}
+        for conn in list(self._connections.values()):
+            held = _limits.undelivered_bytes(conn)
+            held = held if held is not None else 0
+            # With nothing left to read, a legitimate connection holds at most the message being read;
+            # one that held more at the last look too and delivered nothing since is not sending messages.
+            stuck = (self._drained and held > self.max_message_bytes and conn.last_held > self.max_message_bytes
+                     and conn.messages == conn.messages_at_check)
+            conn.last_held, conn.messages_at_check = held, conn.messages
+            if held > self.max_connection_bytes or stuck:
+                if _limits.shut_down(conn):
+                    conn.cut = True
+                    self._refuse_peer(_limits.BYTES_IN_FLIGHT, (
+                        f"closed a connection from {conn.host}: zmq held {held} bytes of it not yet delivered, "
+                        f"more than a sender can have in flight on one connection ({self.max_connection_bytes}: "
+                        f"rcvhwm + 1 frames; {self.max_message_bytes} while it delivers nothing)"))
+                conn.last_held = 0
+            per_peer.setdefault(conn.host, []).append(conn)
+        for host, conns in per_peer.items():
+            total = sum(c.last_held for c in conns)
+            for conn in sorted(conns, key=lambda c: c.last_held, reverse=True):
+                if total <= self.limits.max_inflight_bytes_per_peer or conn.last_held <= 0:
+                    break
+                if _limits.shut_down(conn):
+                    conn.cut = True
+                    self._refuse_peer(_limits.BYTES_IN_FLIGHT, (
+                        f"closed a connection from {host}: zmq held {total} bytes of that address's connections "
+                        f"not yet delivered, more than max_inflight_bytes_per_peer "
+                        f"({self.limits.max_inflight_bytes_per_peer})"))
+                total -= conn.last_held
 
     def _reservation_ended(self, reservation: Reservation, error: TransferError) -> None:
         """A reservation failed or was cancelled: runs before on_done / before cancel() returns, on the

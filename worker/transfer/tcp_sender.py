@@ -68,6 +68,7 @@ from .zmqutil import (
 
 log = logging.getLogger(__name__)
 _SEQ = struct.Struct("<Q")
+MAX_REPLY_BYTES = 1 << 20  # the largest message part a receiver may send back (its replies are small JSON)
 SILENCE_TIMEOUT_S = 30.0  # a waiting transfer fails after this long without a word from its receiver
 
 
@@ -226,7 +227,11 @@ class TcpConnection:
         sock = sender.context.socket(zmq.DEALER)
         self._opened.append(sock)
         sock.setsockopt(zmq.IDENTITY, identity.encode())
-        for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0)):
+        # Replies (ACK, DONE, FAILED, WELCOME) are small: MAXMSGSIZE bounds what a receiver can make this
+        # side hold. RCVHWM stays unbounded: the receiver's ROUTER drops a reply to a full queue, and a
+        # dropped ACK would stall the window; only the receiver this sender chose sends here.
+        for option, value in ((zmq.LINGER, 200), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
+                              (zmq.MAXMSGSIZE, MAX_REPLY_BYTES)):
             sock.setsockopt(option, value)
         if sender.keys is not None:
             connect_securely(sock, sender.keys)
