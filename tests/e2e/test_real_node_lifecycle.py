@@ -183,7 +183,10 @@ def test_a_kv_layout_change_rolls_without_ever_pairing_old_and_new(setup: Any, s
     old = {p["metadata"]["name"] for c in ("prefill", "decode") for p in setup.pods(c)}
     failures_query = (f'max_over_time({m.exposed_name(m.KV_TRANSFER_FAILURES)}{{namespace="{setup.namespace}",'
                       f'tandem_dev_model="{setup.name}"}}[30m])')
-    assert not prometheus_series(setup, failures_query), "KV transfers failed before this test"
+    def failed_transfers() -> dict[str, str]:  # every reason's series exists from the start, at 0
+        return {f'{s["metric"].get("pod")}/{s["metric"].get("reason")}': s["value"][1]
+                for s in prometheus_series(setup, failures_query) if float(s["value"][1]) > 0}
+    assert not failed_transfers(), f"KV transfers failed before this test: {failed_transfers()}"
     with steady_load(clients=2) as load:
         load.wait_completed(3)
         setup.kubectl("patch", "disaggregatedmodel", setup.name, "-n", setup.namespace, "--type=merge",
@@ -193,9 +196,7 @@ def test_a_kv_layout_change_rolls_without_ever_pairing_old_and_new(setup: Any, s
     assert not load.failures, f"{len(load.failures)} of {load.completed + len(load.failures)} failed: " \
                               f"{load.failures[:5]}"
     time.sleep(4)  # two scrapes
-    failed = {s["metric"].get("pod"): s["value"][1] for s in prometheus_series(setup, failures_query)
-              if float(s["value"][1]) > 0}
-    assert not failed, f"KV transfers failed during the layout change (a mixed pair?): {failed}"
+    assert not failed_transfers(), f"KV transfers failed during the layout change (a mixed pair?): {failed_transfers()}"
     decode = setup.pods("decode")[0]
     assert flag(decode["spec"]["containers"][0]["args"], "--block-size") == "32"
     assert setup.pod_metrics(decode).get(m.exposed_name(m.KV_TRANSFER_BYTES), 0.0) > 0, "no KV reached the new decode"
