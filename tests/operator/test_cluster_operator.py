@@ -179,7 +179,7 @@ def test_uri_source_is_fetched_by_an_init_container(testbed: Bed, cleanup: list[
         (init,) = pod["initContainers"]
         assert init["name"] == "fetch-model" and init["command"] == ["tandem"]
         assert init["args"] == ["fetch-model", "--uri", uri, "--dest", "/models/model", "--sha256", sha256]
-        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}]
+        assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
         assert {"name": "model", "emptyDir": {}} in pod["volumes"]
         worker = pod["containers"][0]
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
@@ -404,7 +404,7 @@ def test_secure_transfer_keeps_its_keys_in_a_secret_until_it_is_deleted(
     for pool in ("prefill", "decode"):
         pod = testbed.get("deployment", f"secure-{pool}")["spec"]["template"]["spec"]
         assert {"name": "kv-keys", "secret": {
-            "secretName": "secure-kv-keys", "defaultMode": 0o400,
+            "secretName": "secure-kv-keys", "defaultMode": 0o444,
             "items": [{"key": "public", "path": "public"}, {"key": "secret", "path": "secret"}]}} in pod["volumes"]
         worker = pod["containers"][0]
         assert {"name": "kv-keys", "mountPath": "/etc/tandem/kv-keys", "readOnly": True} in worker["volumeMounts"]
