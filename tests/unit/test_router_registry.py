@@ -27,3 +27,16 @@ def test_a_worker_still_loading_gives_no_model_info() -> None:
 def test_the_loaded_worker_answers_even_behind_one_still_loading() -> None:
     found = registry(info(loaded=False), info(loaded=True)).any_info()
     assert found is not None and found.max_model_len == 2048
+
+
+def test_the_model_s_facts_outlive_a_rollout_gap() -> None:
+    """A rolling update: the old workers leave discovery before the new ones are polled. Requests in
+    that gap must not fail with "no worker has loaded the model yet" (503s seen on the real node)."""
+    import asyncio
+
+    reg = registry(info(loaded=True))
+    reg.discovery = StaticDiscovery(["http://new-worker"])  # the old one left, the new one not polled
+    asyncio.run(reg.refresh_discovery())
+    assert list(reg.workers) == ["http://new-worker"] and not reg.workers["http://new-worker"].up
+    found = reg.any_info()
+    assert found is not None and found.max_model_len == 2048

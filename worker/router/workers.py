@@ -91,6 +91,8 @@ class WorkerRegistry:
         self.poll_interval = poll_interval
         self.discovery_interval = discovery_interval
         self.workers: dict[str, WorkerState] = {}
+        # The last report of a loaded worker, kept when every worker is down or gone (see any_info).
+        self._last_loaded: WorkerInfo | None = None
         # `headers`: the worker control token (control_token.ControlTokens.headers), sent on every poll.
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=dict(headers or {}))
         self._task: asyncio.Task[None] | None = None
@@ -129,6 +131,7 @@ class WorkerRegistry:
         for url in list(self.workers):
             if url not in urls:
                 log.info("worker %s left discovery", url)
+                self.any_info()  # remember the model's facts before the last loaded worker goes
                 del self.workers[url]
 
     async def poll_all(self) -> None:
@@ -170,8 +173,12 @@ class WorkerRegistry:
         """The report of a worker whose model is loaded (one still loading knows no context length yet)."""
         for w in self.workers.values():
             if w.up and w.info is not None and w.info.max_model_len > 0:
+                self._last_loaded = w.info
                 return w.info
-        return None
+        # In a rolling update the last old worker can leave discovery before the first new one is
+        # polled (seen on the real node: 503s mid-rollout). The model's facts still hold, and the
+        # request then waits in dispatch for a usable worker like any other.
+        return self._last_loaded
 
     async def wait_for_change(self, timeout: float) -> None:
         with contextlib.suppress(TimeoutError):
