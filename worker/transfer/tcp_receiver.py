@@ -375,7 +375,10 @@ class TcpReceiver:
     def _connection_accepted(self, fd: int, epoch: int) -> None:
         described = _limits.describe_fd(fd)
         if described is None:
-            return  # already closed again (its close event follows)
+            # Closed again before this event was read (zmq drops a too-large part at once): its close
+            # event follows and must still be counted, so it is tracked with no address.
+            self._connections[fd] = _limits.Connection(fd, epoch, None, None, "an address already gone")
+            return
         local, peer = described
         host = str(peer[0]) if isinstance(peer, tuple) and peer else str(peer)
         conn = _limits.Connection(fd, epoch, local, peer, host)
