@@ -20,6 +20,7 @@ from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem.worker.refusal_log import ThrottledLog
 from tandem.worker.router.errors import APIError
 
 log = logging.getLogger(__name__)
@@ -27,7 +28,6 @@ log = logging.getLogger(__name__)
 # The kubelet's probes and Prometheus carry no key. /workers belongs to the worker-control credential.
 OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/workers"})
 FILE_CHECK_S = 1.0  # how often --api-key-file's modification time is looked at (on requests)
-LOG_EVERY_S = 10.0  # a flood of refusals logs one line per this many seconds, with the count
 
 
 def parse_keys(text: str) -> list[str]:
@@ -97,30 +97,13 @@ def unauthorized(reason: str) -> APIError:
     return APIError(401, message, code="invalid_api_key", headers={"www-authenticate": "Bearer"})
 
 
-class _Throttled:
-    """Logs the first refusal at once, then one line per LOG_EVERY_S with how many came meanwhile."""
-
-    def __init__(self) -> None:
-        self.last = -LOG_EVERY_S
-        self.suppressed = 0
-
-    def warn(self, message: str, *args: object) -> None:
-        now = time.monotonic()
-        if now - self.last < LOG_EVERY_S:
-            self.suppressed += 1
-            return
-        more = f" ({self.suppressed} more refused since the last line)" if self.suppressed else ""
-        log.warning(message + more, *args)
-        self.last, self.suppressed = now, 0
-
-
 class ApiKeyMiddleware:
     """Refuses with 401 (OpenAI's error shape) every HTTP request outside OPEN_PATHS without a valid key,
     before the route reads its body. `refused(reason)` counts it (reason missing|invalid)."""
 
     def __init__(self, app: ASGIApp, keys: ApiKeys, refused: Callable[[str], None]) -> None:
         self.app, self.keys, self.refused = app, keys, refused
-        self._log = _Throttled()
+        self._log = ThrottledLog(log)  # a flood of refusals logs one line per 10 s, with the count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or not self.keys.enabled or scope["path"] in OPEN_PATHS:
@@ -134,5 +117,5 @@ class ApiKeyMiddleware:
         client = scope.get("client") or ("?", 0)
         self.refused(reason)
         # Never the key itself: a near-miss in the log is half a secret.
-        self._log.warn("401 for %s %s from %s: %s API key", scope["method"], scope["path"], client[0], reason)
+        self._log.warning("401 for %s %s from %s: %s API key", scope["method"], scope["path"], client[0], reason)
         await unauthorized(reason).response()(scope, receive, send)

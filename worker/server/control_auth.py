@@ -10,18 +10,16 @@ nothing. Every refusal is a 401 with a JSON error, counted in tandem_control_aut
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tandem.worker.refusal_log import LOG_EVERY_S, ThrottledLog
 from tandem.worker.server.control_token import HEADER, OPEN_PATHS, ControlTokens
 
 log = logging.getLogger(__name__)
 
-LOG_EVERY_S = 10.0
 _HEADER_KEY = HEADER.lower().encode("latin-1")
 
 
@@ -41,23 +39,14 @@ def refusal(reason: str) -> JSONResponse:
 
 
 class RefusalLog:
-    """Logs refused calls (never the token presented), at most one line per LOG_EVERY_S."""
+    """Logs refused calls (never the token presented), at most one line per `every_s` (refusal_log.py)."""
 
     def __init__(self, what: str, every_s: float = LOG_EVERY_S) -> None:
-        self.what, self.every_s = what, every_s
-        self._lock = threading.Lock()
-        self._last = -float("inf")
-        self._suppressed = 0
+        self.what = what
+        self._log = ThrottledLog(log, every_s)
 
     def refused(self, reason: str, method: str, path: str, peer: str) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self.every_s:
-                self._suppressed += 1
-                return
-            suppressed, self._suppressed, self._last = self._suppressed, 0, now
-        more = f" ({suppressed} more refused since the last report)" if suppressed else ""
-        log.warning("refused %s %s %s from %s: %s control token%s", self.what, method, path, peer or "?", reason, more)
+        self._log.warning("refused %s %s %s from %s: %s control token", self.what, method, path, peer or "?", reason)
 
 
 class ControlAuth:
