@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, Field
 
 from tandem.operator.rules import ApiModel, CrossFieldRule
+from tandem.worker import faults
 
 GROUP = "tandem.dev"
 VERSION = "v1alpha1"
@@ -352,6 +353,10 @@ class DecodeAutoscalingSpec(AutoscalingSpec):
     )
 
 
+def _is_fault_flag(arg: str) -> bool:
+    return arg == faults.FLAG or arg.startswith(faults.FLAG + "=")
+
+
 class PoolSpec(ApiModel):
     """One worker pool (a Deployment of identical workers)."""
 
@@ -361,6 +366,19 @@ class PoolSpec(ApiModel):
             message="gpusPerReplica must be 1: tensor parallelism is not supported yet",
             check=lambda p: p.gpus_per_replica == 1,
             field_path=".gpusPerReplica",
+        ),
+        # Fault injection (tandem.worker.faults) is for tests: a resource can neither pass the hook nor switch it on.
+        CrossFieldRule(
+            cel=f"!has(self.args) || !self.args.exists(a, a == '{faults.FLAG}' || a.startsWith('{faults.FLAG}='))",
+            message=f"args must not pass {faults.FLAG}: it is a test hook that makes workers misbehave on purpose",
+            check=lambda p: not any(_is_fault_flag(a) for a in p.args),
+            field_path=".args",
+        ),
+        CrossFieldRule(
+            cel=f"!has(self.env) || !self.env.exists(e, e.name == '{faults.ENV}')",
+            message=f"env must not set {faults.ENV}: it enables test hooks that make workers misbehave on purpose",
+            check=lambda p: all(e.name != faults.ENV for e in p.env),
+            field_path=".env",
         ),
     )
 
@@ -389,7 +407,10 @@ class PoolSpec(ApiModel):
         default_factory=lambda: ResourceRequirements(), description="Extra container resources (cpu, memory, ...)."
     )
     env: EnvList = Field(default_factory=list, max_length=64, description="Extra environment variables.")
-    args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem worker`.")
+    args: list[str] = Field(
+        default_factory=list, max_length=64,
+        description="Extra arguments appended to `tandem worker` (not the test hook --fault).",
+    )
     shm_size: PositiveQuantity = Field(default="8Gi", description="Size of the shared-memory (/dev/shm) volume.")
 
 

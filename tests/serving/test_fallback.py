@@ -7,10 +7,13 @@ deadline looks like from the decode side.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import pytest
 from openai import OpenAI
+
+from tandem.worker import faults
 
 from .conftest import Stack, metric_value, wait_until_disaggregated
 
@@ -19,9 +22,14 @@ pytestmark = pytest.mark.integration
 PROMPT = "Prefill computes the prompt; decode generates one token at a time. Hello, world!"
 
 
+def faults_on() -> dict[str, str]:
+    """The test's environment with fault injection allowed (`--prefill-fault` is refused without it)."""
+    return {**os.environ, faults.ENV: "1"}
+
+
 def test_transfer_failure_falls_back_with_identical_tokens(start_stack: Callable[..., Stack], mono: Stack) -> None:
     faulty = start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
-                         "--prefill-fault", "drop-kv")
+                         "--prefill-fault", "drop-kv", env=faults_on())
     wait_until_disaggregated(faulty)  # else the first request may go to decode alone, with no transfer
     outs = []
     for stack in (faulty, mono):

@@ -8,6 +8,7 @@ decode side, not only as a fallback prefill.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import httpx
@@ -15,11 +16,18 @@ import pytest
 from openai import OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from tandem.worker import faults
+
 from .conftest import Stack, metric_value, wait_until_disaggregated
 
 pytestmark = pytest.mark.integration
 
 PROMPT = "KV moves from the prefill worker to the decode worker, layer by layer, and is counted."
+
+
+def faults_on() -> dict[str, str]:
+    """The test's environment with fault injection allowed (`--prefill-fault` is refused without it)."""
+    return {**os.environ, faults.ENV: "1"}
 
 
 def complete(stack: Stack) -> list[int]:
@@ -59,7 +67,7 @@ def test_worker_metrics_show_the_transfer_of_a_disaggregated_request(disagg: Sta
 def test_a_transfer_the_sender_never_starts_counts_as_a_decode_side_failure(
         start_stack: Callable[..., Stack]) -> None:
     faulty = start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1",
-                         "--prefill-fault", "drop-kv")
+                         "--prefill-fault", "drop-kv", env=faults_on())
     decode = faulty.procs("decode")[0]["url"]
 
     assert len(complete(faulty)) == 4

@@ -14,6 +14,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
+from tandem.worker import faults
 from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
 from tandem.worker.hardware import DTYPE_CHOICES, Choice, choose
 from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
@@ -98,7 +99,8 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
                    "separated by spaces). The router gets it through its environment, not its command line.")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A file of API keys, one a line; the router re-reads it when it changes.")
-@click.option("--prefill-fault", type=click.Choice(["drop-kv"]), default=None, hidden=True)
+# A test hook (faults.py): refused unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
+@click.option("--prefill-fault", type=click.Choice(faults.FAULTS), default=None, hidden=True)
 @refuse_unsupported_vllm_flags
 def command(model: str, model_name: str | None, family: str, prefill_workers: int, decode_workers: int, mode: str,
             transport: str, secure_kv: bool, host: str, port: int, dtype: str, device: str, tensor_parallel_size: int,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from tandem.worker import faults
 from tandem.worker.commands.control import control_options, resolve
 from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
 from tandem.worker.hardware import DTYPE_CHOICES, choose
@@ -51,8 +52,8 @@ log = logging.getLogger("tandem.worker")
 @click.option("--prefix-caching/--no-prefix-caching", default=True, show_default=True)
 @click.option("--drain-timeout", type=float, default=60.0, show_default=True,
               help="Seconds in-flight requests get to finish after SIGTERM.")
-@click.option("--fault", type=click.Choice(["drop-kv"]), default=None, hidden=True,
-              help="Test hook: misbehave on purpose.")
+@click.option(faults.FLAG, type=click.Choice(faults.FAULTS), default=None, hidden=True,
+              help=f"Test hook: misbehave on purpose (refused unless {faults.ENV}=1).")
 @click.option("--log-level", default="info", show_default=True)
 @control_options
 @refuse_unsupported_vllm_flags

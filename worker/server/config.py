@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tandem.worker import faults
 from tandem.worker.kv.keys import KVKeys, KVKeysError
 from tandem.worker.server.control_token import ControlTokens
 
@@ -38,7 +39,7 @@ class WorkerConfig:
     enable_prefix_caching: bool = True
     drain_timeout: float = 60.0
     kv_wait_timeout: float = 30.0  # how long decode waits for a transfer before prefilling locally
-    fault: str | None = None  # test hook: "drop-kv" makes a prefill worker never ship KV
+    fault: str | None = None  # test hook (faults.py): "drop-kv" makes a prefill worker never ship KV
     # Decode role: what one caller may hold in unclaimed KV reservations (kv_link.PeerQuota).
     max_reserved_share_per_peer: float = 0.5  # of the KV pool's blocks (never less than one full context)
     max_reservations_per_peer: int = 512
@@ -57,8 +58,7 @@ class WorkerConfig:
             raise ValueError(f"model folder {self.model_dir} does not exist")
         if self.tensor_parallel != 1:
             raise ValueError("tensor parallelism > 1 is not supported by this engine yet (--tensor-parallel 1)")
-        if self.fault not in (None, "drop-kv"):
-            raise ValueError(f"unknown fault {self.fault!r}")
+        faults.check(self.fault)  # a test hook: refused unless TANDEM_ENABLE_FAULTS=1
         if self.kv_keys is not None:
             try:
                 self.keys = KVKeys.load(self.kv_keys)  # fail at start, not when the model has loaded

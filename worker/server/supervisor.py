@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from tandem.worker import faults
 from tandem.worker.server import control_token
 from tandem.worker.server.control_token import ControlTokens
 from tandem.worker.server.ports import free_port
@@ -76,7 +77,7 @@ class StackSpec:
     seed: int | None = None
     chat_template: Path | None = None  # the router renders chats with this file instead of the model's template
     log_dir: Path = Path(".")
-    prefill_fault: str | None = None  # test hook passed to prefill workers
+    prefill_fault: str | None = None  # test hook passed to prefill workers (needs TANDEM_ENABLE_FAULTS=1)
     request_timeout: float = 600.0  # the router's per-request deadline
     stall_timeout: float = 60.0  # the router's patience with a silent worker mid-request
     kv_keys: Path | None = None  # secure KV transfer: the keypair folder every worker gets (--kv-keys)
@@ -90,6 +91,8 @@ class StackSpec:
             raise ValueError("at least one decode worker is needed")
         if self.mode == "disaggregated" and self.prefill_workers < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker")
+        # A test hook: refused here unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
+        faults.check(self.prefill_fault, "--prefill-fault")
 
 
 class LocalStack:
