@@ -123,6 +123,14 @@ class ModelSource(ApiModel):
             check=lambda s: s.sha256 is None or s.uri is not None,
             field_path=".sha256",
         ),
+        # Over plain http anyone on the path can swap the archive; the weights and tokenizer run in every worker.
+        CrossFieldRule(
+            cel="!has(self.uri) || self.uri.startsWith('https://') || has(self.sha256)",
+            message="a plain http:// uri needs sha256 (the archive's checksum), or anyone on the network path can "
+            "replace the model: use https://, or give sha256",
+            check=lambda s: s.uri is None or s.uri.startswith("https://") or s.sha256 is not None,
+            field_path=".uri",
+        ),
     )
 
     path: str | None = Field(
@@ -132,13 +140,14 @@ class ModelSource(ApiModel):
     pvc: PvcSource | None = Field(default=None, description="Mount the model folder from a PersistentVolumeClaim.")
     uri: str | None = Field(
         default=None, max_length=4096, pattern=URI_PATTERN,
-        description="http:// or https:// URL of a tar archive (.tar, .tar.gz or .tgz; the compression is read from "
-        "the content) of the model folder, at the top of the archive or in its one top-level folder. An init "
-        "container of each worker pod downloads and unpacks it into an emptyDir at /models/model.",
+        description="https:// URL (or http:// with sha256) of a tar archive (.tar, .tar.gz or .tgz; the compression "
+        "is read from the content) of the model folder, at the top of the archive or in its one top-level folder. "
+        "An init container of each worker pod downloads and unpacks it into an emptyDir at /models/model.",
     )
     sha256: str | None = Field(
         default=None, pattern=SHA256_PATTERN,
-        description="SHA-256 of the archive at uri (64 lowercase hex digits); the download is refused when it differs.",
+        description="SHA-256 of the archive at uri (64 lowercase hex digits); the download is refused when it differs. "
+        "Required for an http:// uri.",
     )
 
 

@@ -49,3 +49,12 @@ def test_invalid_resource_is_refused_naming_the_field(invalid_case: dict[str, An
 ])
 def test_resource_names_leave_room_for_child_names(name: str, ok: bool) -> None:
     assert (name_problem(name) is None) == ok
+
+
+@pytest.mark.parametrize("source", [
+    {"uri": "https://models.example/tiny.tar.gz"},  # TLS checks who sends the archive
+    {"uri": "http://10.0.0.5:8080/tiny.tar.gz", "sha256": "0123456789abcdef" * 4},  # the checksum checks what
+])
+def test_a_uri_source_is_https_or_carries_a_checksum(source: dict[str, str]) -> None:
+    spec = DisaggregatedModelSpec.model_validate({"model": {"name": "tiny", "source": source}})
+    assert spec.model.source.uri == source["uri"]

@@ -226,10 +226,10 @@ def test_uri_source_is_fetched_into_an_empty_dir_by_an_init_container(pool: str,
 
 
 def test_init_container_env_is_only_home_when_the_pool_has_none() -> None:
-    spec = spec_of(model={"name": "m", "source": {"uri": "http://10.0.0.5:8080/m.tar"}})
+    spec = spec_of(model={"name": "m", "source": {"uri": "https://10.0.0.5:8080/m.tar"}})
     (init,) = worker(spec, "decode")["spec"]["template"]["spec"]["initContainers"]
     assert init["env"] == [{"name": "HOME", "value": "/tmp"}]
-    assert init["args"] == ["fetch-model", "--uri", "http://10.0.0.5:8080/m.tar", "--dest", "/models/model"]
+    assert init["args"] == ["fetch-model", "--uri", "https://10.0.0.5:8080/m.tar", "--dest", "/models/model"]
 
 
 @pytest.mark.parametrize("source", [{"path": "/models/tiny"}, {"pvc": {"claimName": "weights"}}])

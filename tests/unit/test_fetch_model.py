@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -290,3 +291,78 @@ def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], expecte
 ])
 def test_messages_hide_credentials_and_signatures(uri: str, shown: str) -> None:
     assert display_url(uri) == shown
+
+
+# --- https: without a checksum, TLS is what vouches for the archive, so no redirect may lead to plain http ---
+
+
+@pytest.fixture(scope="module")
+def tls_server(server: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """An https server on 127.0.0.1 (a self-signed certificate, trusted through SSL_CERT_FILE) serving the same
+    files as `server`; /to-http/<file> redirects to <file> on the plain http server. Yields (url, certificate)."""
+    import ssl
+
+    work = tmp_path_factory.mktemp("tls")
+    cert, key = work / "cert.pem", work / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                    "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+
+    class Handler(http.server.SimpleHTTPRequestHandler):
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, directory=str(server.root), **kwargs)  # type: ignore[arg-type]
+
+        def do_GET(self) -> None:
+            if self.path.startswith("/to-http/"):
+                self.send_response(302)
+                self.send_header("Location", f"{server.url}/{self.path.removeprefix('/to-http/')}")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
+            super().do_GET()
+
+        def log_message(self, format: str, *args: object) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    httpd.socket = context.wrap_socket(httpd.socket, server_side=True)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}", cert
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def fetch_trusting(cert: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "SSL_CERT_FILE": str(cert)}
+    return subprocess.run([sys.executable, "-m", "tandem.worker.cli", "fetch-model", *args],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_https_without_a_checksum_is_fetched(server: Server, tls_server: tuple[str, Path], tiny_model: Path,
+                                             tmp_path: Path) -> None:
+    url, cert = tls_server
+    pack(server, "tls.tgz", tiny_model)
+    dest = tmp_path / "models" / "model"
+    res = fetch_trusting(cert, "--uri", f"{url}/tls.tgz", "--dest", str(dest))
+    assert res.returncode == 0, res.stderr
+    assert same_files(tiny_model, dest)
+
+
+def test_an_https_uri_redirected_to_plain_http_is_refused_without_a_checksum(
+        server: Server, tls_server: tuple[str, Path], tiny_model: Path, tmp_path: Path) -> None:
+    url, cert = tls_server
+    digest = pack(server, "down.tgz", tiny_model)
+    dest = tmp_path / "models" / "model"
+    res = fetch_trusting(cert, "--uri", f"{url}/to-http/down.tgz", "--dest", str(dest))
+    assert error(res) == (f"{url}/to-http/down.tgz was redirected to plain http ({server.url}/down.tgz), where "
+                          "anyone on the path can replace the archive; refused without --sha256")
+    assert_nothing_left(dest)
+    # With the checksum the bytes are checked, whoever carried them.
+    res = fetch_trusting(cert, "--uri", f"{url}/to-http/down.tgz", "--dest", str(dest), "--sha256", digest)
+    assert res.returncode == 0, res.stderr
+    assert f"sha256 {digest}, verified" in res.stdout and same_files(tiny_model, dest)

@@ -46,7 +46,8 @@ def _check_sha256(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--dest", required=True, type=click.Path(file_okay=False),
               help="Where the model folder goes; nothing is downloaded when DEST/config.json already exists.")
 @click.option("--sha256", default=None, callback=_check_sha256,
-              help="Expected SHA-256 of the archive; a download that differs is refused.")
+              help="Expected SHA-256 of the archive; a download that differs is refused. Without it, an https "
+                   "URL may not be redirected to plain http.")
 def command(uri: str, dest: str, sha256: str | None) -> None:
     """Download a model folder archive, verify it and unpack it into DEST, atomically."""
     console = Console(stderr=True)

@@ -2,11 +2,12 @@
 
 A worker pod whose DisaggregatedModel has `spec.model.source.uri` runs this in an init container
 that fills the pod's emptyDir. The download is hashed as it streams (and checked against the
-expected SHA-256 when one is given) into a work folder beside the destination; the archive is
-unpacked there with tarfile's "data" filter after our own check of every member (no absolute
-paths, nothing and no link that leads outside); the folder holding config.json (the top of the
-archive or one top-level folder) is then renamed to the destination. So the destination either
-holds a whole model or does not exist, and a failed fetch leaves nothing behind.
+expected SHA-256 when one is given; without one, an https URL may not be redirected to plain
+http) into a work folder beside the destination; the archive is unpacked there with tarfile's
+"data" filter after our own check of every member (no absolute paths, nothing and no link that
+leads outside); the folder holding config.json (the top of the archive or one top-level folder) is
+then renamed to the destination. So the destination either holds a whole model or does not exist,
+and a failed fetch leaves nothing behind.
 
 No torch here: the init container should start in well under a second.
 """
@@ -87,7 +88,9 @@ def fetch_model(uri: str, dest: str | os.PathLike[str], sha256: str | None = Non
     started = time.monotonic()
     try:
         archive = work / "archive"
-        size, digest = _download(uri, archive, on_progress)
+        # Without a checksum only TLS vouches for the archive: an https URL must not be redirected to plain http.
+        https_only = expected is None and urlsplit(uri).scheme == "https"
+        size, digest = _download(uri, archive, on_progress, https_only)
         if expected is not None and digest != expected:
             raise FetchError(f"checksum mismatch for {display_url(uri)}: expected sha256 {expected}, got {digest}")
         unpacked = work / "unpacked"
@@ -100,8 +103,9 @@ def fetch_model(uri: str, dest: str | os.PathLike[str], sha256: str | None = Non
                        seconds=time.monotonic() - started)
 
 
-def _download(uri: str, path: Path, on_progress: OnProgress | None) -> tuple[int, str]:
-    """Stream `uri` into `path`, hashing as it goes; returns (bytes, sha256 hex)."""
+def _download(uri: str, path: Path, on_progress: OnProgress | None, https_only: bool = False) -> tuple[int, str]:
+    """Stream `uri` into `path`, hashing as it goes; returns (bytes, sha256 hex). With `https_only`, a redirect
+    through plain http is refused before the body is read."""
     shown = display_url(uri)
     hasher = hashlib.sha256()
     received = 0
@@ -111,6 +115,10 @@ def _download(uri: str, path: Path, on_progress: OnProgress | None) -> tuple[int
     try:
         with httpx.Client(follow_redirects=True, timeout=timeout, headers=headers) as client, \
                 client.stream("GET", uri) as response:
+            plain = [hop.url for hop in (*response.history, response) if hop.url.scheme != "https"]
+            if https_only and plain:
+                raise FetchError(f"{shown} was redirected to plain http ({display_url(str(plain[0]))}), where anyone "
+                                 "on the path can replace the archive; refused without --sha256")
             if response.status_code >= 400:
                 raise FetchError(f"HTTP {response.status_code} {response.reason_phrase} from {shown}".rstrip())
             length = response.headers.get("content-length")
