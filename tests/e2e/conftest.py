@@ -100,6 +100,16 @@ class Setup:
         base = (router_url or self.info["router"]).removesuffix("/v1")
         return parse_metrics(urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode())
 
+    def warnings(self, component: str, since: str = "15m") -> str:
+        """The WARNING and ERROR lines (and discovery changes) of a component's running pods, for a failed check."""
+        out = []
+        for pod in self.pods(component):
+            name = pod["metadata"]["name"]
+            text = self.kubectl("logs", "-n", self.namespace, name, f"--since={since}", check=False)
+            out += [f"{name}: {line}" for line in text.splitlines()
+                    if " WARNING " in line or " ERROR " in line or "discovery" in line]
+        return "\n".join(out[-60:])
+
     def ready_condition(self, name: str | None = None) -> str:
         conditions = {c["type"]: c["status"] for c in self.resource(name).get("status", {}).get("conditions", [])}
         return conditions.get("Ready", "Unknown")

@@ -198,7 +198,7 @@ def test_a_kv_layout_change_rolls_without_ever_pairing_old_and_new(setup: Any, s
         setup.wait("both pools replaced by ready pods with the new layout", lambda: rolled(setup, old), timeout=420)
         load.wait_completed(5)
     assert not load.failures, f"{len(load.failures)} of {load.completed + len(load.failures)} failed: " \
-                              f"{load.failures[:5]}"
+                              f"{load.failures[:5]}; the router's warnings:\n{setup.warnings('router')}"
     time.sleep(4)  # two scrapes
     assert not failed_transfers(), f"KV transfers failed during the layout change (a mixed pair?): {failed_transfers()}"
     decode = setup.pods("decode")[0]

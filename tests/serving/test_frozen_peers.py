@@ -202,6 +202,34 @@ def test_a_frozen_decode_worker_that_never_answers_its_reservation_costs_time_no
 
 
 @pytest.mark.slow
+def test_the_only_decode_worker_missing_one_reservation_is_tried_again_once_it_answers(stack: Stack) -> None:
+    """One decode worker left (the other frozen and known down), and it misses the reserve deadline once
+    (frozen for 6.5 s, as a new pod on a busy node can be in a rollout). It is tried again as soon as the
+    router's poll reaches it: on the real node this request was a 503 "no ready worker can take this
+    request now" after the router had waited 10 s with that worker healthy again after 2."""
+    expected = stream_ids(stack, 30)
+    victim = next_decode_pick(stack)
+    other = next(p for p in stack.role("decode") if p is not victim)
+    other.stop()
+    try:
+        limit = time.monotonic() + 10
+        while stack.router_view()[other.url]["usable"]:
+            assert time.monotonic() < limit, "the router did not notice the frozen worker"
+            time.sleep(0.2)
+        victim.stop()
+        threading.Timer(RESERVE_TIMEOUT_S + 1.5, victim.resume).start()
+        started = time.monotonic()
+        assert stream_ids(stack, 30) == expected
+        took = time.monotonic() - started
+    finally:
+        victim.resume()
+        other.resume()
+    assert took >= RESERVE_TIMEOUT_S, "the router should have waited for the frozen worker's reservation"
+    assert took < RESERVE_TIMEOUT_S + 8, f"took {took:.1f}s"
+    stack.settle()
+
+
+@pytest.mark.slow
 def test_a_decode_worker_frozen_while_the_prefill_ships_its_kv_does_not_cost_twice_the_stall(stack: Stack) -> None:
     """The decode worker froze after reserving KV for a request, before the prefill worker shipped it: the
     prefill worker waits for a confirmation that cannot come, so its /prefill times out. The request

@@ -103,7 +103,8 @@ class Dispatcher:
     async def generate(self, request_id: str, prompt: list[int], sampling: Sampling,
                        deadline: float) -> AsyncIterator[TokenEvent]:
         generated: list[int] = []
-        lost: set[str] = set()
+        lost: dict[str, float] = {}  # decode workers this request lost, and when (see _pick_decode)
+        restarts = again = 0
         first: tuple[TokenEvent, WorkerState, bool] | None = None
         rid = request_id  # a retry on another decode worker gets its own id (see below)
         while True:
@@ -117,9 +118,14 @@ class Dispatcher:
                 # The decode worker stopped answering (frozen, overloaded) before the first token: start
                 # over on another one. Nothing reached the client yet. The old id may still be in flight
                 # on a prefill worker that was shipping to the lost one, so the retry gets a new id.
-                lost.add(decode.url)
+                again += decode.url in lost  # a worker lost before and tried again (see _pick_decode)
+                if again > MAX_MIGRATIONS:
+                    log.error("request %s: its decode workers failed %d times; last: %s", request_id, again, exc)
+                    raise errors.unavailable("no decode worker could take the request; retry later") from None
+                lost[decode.url] = time.monotonic()
                 self.registry.mark_down(decode.url, str(exc))
-                rid = f"{request_id}-r{len(lost)}"
+                restarts += 1
+                rid = f"{request_id}-r{restarts}"
                 log.warning("request %s: %s; starting over on another decode worker", request_id, exc)
         if first is None:  # no prefill pool, or no prefill worker made it: the decode worker does it all
             stream = self._generate_stream(decode, rid, prompt, sampling, deadline)
@@ -157,7 +163,7 @@ class Dispatcher:
                 if time.monotonic() >= deadline:  # the worker gave up because the deadline passed: not its fault
                     raise errors.timeout("the request's deadline passed before it finished") from None
                 migrations += 1
-                lost.add(decode.url)
+                lost[decode.url] = time.monotonic()
                 self.registry.mark_down(decode.url, str(exc))
                 if migrations > MAX_MIGRATIONS:
                     log.error("request %s failed on %d workers; last: %s", request_id, migrations, exc)
@@ -175,12 +181,20 @@ class Dispatcher:
                                                deadline, sampled_before=len(generated))
 
     # --- placement ---
-    def _pick_decode(self, lost: set[str]) -> WorkerState | None:
+    def _pick_decode(self, lost: Mapping[str, float] | set[str]) -> WorkerState | None:
+        """The best usable decode worker this request has not lost. When it lost every usable one, one
+        the registry has polled healthy since is tried again (`lost` maps a worker to when it was lost):
+        in a rollout on busy nodes the only new decode worker can miss one reserve deadline, and the
+        request should not wait for a worker that is not coming."""
         workers = self.registry.usable(DECODE_ROLES)
         # Prefer pure decode workers when a prefill pool exists; `both` workers otherwise.
         pure = [w for w in workers if w.role == "decode"]
         pool = pure if pure and self.registry.usable(("prefill",)) else workers
-        cand = pick_decode([w.candidate() for w in pool], exclude=lost)
+        cands = [w.candidate() for w in pool]
+        cand = pick_decode(cands, exclude=set(lost))
+        if cand is None and isinstance(lost, Mapping):
+            back = {w.url for w in pool if w.url in lost and w.last_poll > lost[w.url]}
+            cand = pick_decode(cands, exclude=set(lost) - back)
         return self.registry.workers.get(cand.url) if cand else None
 
     async def _wait_for(self, pick: object, deadline: float) -> WorkerState:
