@@ -40,3 +40,33 @@ def test_the_model_s_facts_outlive_a_rollout_gap() -> None:
     assert list(reg.workers) == ["http://new-worker"] and not reg.workers["http://new-worker"].up
     found = reg.any_info()
     assert found is not None and found.max_model_len == 2048
+
+
+def test_a_request_without_a_usable_worker_makes_discovery_look_at_the_next_round() -> None:
+    """In a rollout the new pod is listed while the old one drains: a request that found no usable worker
+    must not wait out the discovery interval (5 s by default) to learn of it."""
+    import asyncio
+
+    class Counting(StaticDiscovery):
+        calls = 0
+
+        async def urls(self) -> list[str]:
+            Counting.calls += 1
+            return await super().urls()
+
+    async def run() -> tuple[int, int]:
+        reg = WorkerRegistry(Counting([]), "tiny", poll_interval=0.02, discovery_interval=3600)
+        await reg.start()
+        try:
+            await asyncio.sleep(0.1)
+            quiet = Counting.calls
+            await asyncio.sleep(1.0)  # DISCOVER_SOON_GAP_S since the start's look
+            reg.discover_soon()
+            await asyncio.sleep(0.2)
+            return quiet, Counting.calls
+        finally:
+            await reg.close()
+
+    quiet, after = asyncio.run(run())
+    assert quiet == 1, "only the start looks before the interval"
+    assert after == 2, "discover_soon() looks once, at the next round"

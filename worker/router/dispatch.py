@@ -208,6 +208,7 @@ class Dispatcher:
                 raise errors.timeout("the request's deadline passed while waiting for a worker")
             if time.monotonic() >= limit:
                 raise errors.unavailable("no ready worker can take this request now; retry later")
+            self.registry.discover_soon()
             await self.registry.wait_for_change(min(1.0, limit - time.monotonic()))
 
     # --- disaggregated start: reserve on decode, prefill ships KV, first token back ---

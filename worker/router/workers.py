@@ -23,6 +23,8 @@ from tandem.worker.server.protocol import WorkerInfo
 
 log = logging.getLogger(__name__)
 
+DISCOVER_SOON_GAP_S = 1.0  # discover_soon() looks at most this often (a list call to the Kubernetes API)
+
 
 @dataclass
 class WorkerState:
@@ -97,6 +99,7 @@ class WorkerRegistry:
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(2.0), headers=dict(headers or {}))
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
+        self._discover_soon = False  # set by discover_soon(): refresh at the next round, not the next interval
 
     async def start(self) -> None:
         await self.refresh_discovery()
@@ -113,8 +116,9 @@ class WorkerRegistry:
         while True:
             await asyncio.sleep(self.poll_interval)
             try:
-                if time.monotonic() - last_discovery >= self.discovery_interval:
-                    last_discovery = time.monotonic()
+                since = time.monotonic() - last_discovery
+                if since >= self.discovery_interval or (self._discover_soon and since >= DISCOVER_SOON_GAP_S):
+                    last_discovery, self._discover_soon = time.monotonic(), False
                     await self.refresh_discovery()
                 await self.poll_all()
             except Exception:  # keep polling whatever one round did
@@ -159,6 +163,12 @@ class WorkerRegistry:
         # Whatever was in flight at either end of the poll may be in the reported queue.
         w.observe(info, max(inflight_before, w.inflight_prefill_tokens))
         w.up, w.last_error, w.last_poll = True, None, time.monotonic()
+
+    def discover_soon(self) -> None:
+        """A request found no usable worker: look for new ones at the next poll round. In a rollout the new
+        pod is often in the Service already while the old one drains; waiting out the discovery interval
+        (5 s) made the gap longer than it is."""
+        self._discover_soon = True
 
     def mark_down(self, url: str, reason: str) -> None:
         w = self.workers.get(url)
