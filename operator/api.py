@@ -7,7 +7,9 @@ snake_case here and camelCase on the wire.
 
 from __future__ import annotations
 
+import math
 import re
+from decimal import Decimal
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, Field
@@ -33,6 +35,28 @@ NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # The API server's own pattern for resource.Quantity (as controller-gen emits it).
 QUANTITY_PATTERN = (r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))"
                     r"(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+_QUANTITY_SUFFIXES: dict[str, Decimal] = {
+    "Ki": Decimal(2**10), "Mi": Decimal(2**20), "Gi": Decimal(2**30), "Ti": Decimal(2**40), "Pi": Decimal(2**50),
+    "Ei": Decimal(2**60), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal(10**3), "M": Decimal(10**6), "G": Decimal(10**9), "T": Decimal(10**12), "P": Decimal(10**15),
+    "E": Decimal(10**18),
+}
+
+
+def quantity_bytes(value: int | str) -> int:
+    """A quantity (as QUANTITY_PATTERN allows) as a whole number, rounded up: "100Gi" -> 107374182400."""
+    if isinstance(value, int):
+        return value
+    match = re.fullmatch(r"([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))([eE][+-]?[0-9]+(?:\.[0-9]*)?|[KMGTPE]i|[numkMGTPE]?)",
+                         value)
+    if match is None:
+        raise ValueError(f"{value!r} is not a Kubernetes quantity")
+    number, suffix = Decimal(match.group(1)), match.group(2)
+    exponent = len(suffix) > 1 and suffix[0] in "eE"  # 1e3; a lone E is exa
+    scale = Decimal(10) ** Decimal(suffix[1:]) if exponent else _QUANTITY_SUFFIXES[suffix]
+    return math.ceil(number * scale)
 
 
 def _check_quantity(value: int | str) -> int | str:
@@ -103,6 +127,7 @@ class PvcSource(ApiModel):
     sub_path: str = Field(default="", max_length=1024, description="Folder inside the volume that holds config.json.")
 
 
+DEFAULT_MODEL_SIZE_LIMIT = "100Gi"  # spec.model.source.sizeLimit when unset: about a 50 GB model with its archive
 URI_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"  # a scheme, a host, then anything but whitespace
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
@@ -122,6 +147,12 @@ class ModelSource(ApiModel):
             message="sha256 is the checksum of a uri's archive: it needs uri",
             check=lambda s: s.sha256 is None or s.uri is not None,
             field_path=".sha256",
+        ),
+        CrossFieldRule(
+            cel="!has(self.sizeLimit) || has(self.uri)",
+            message="sizeLimit bounds the volume a uri's archive is fetched into: it needs uri",
+            check=lambda s: s.size_limit is None or s.uri is not None,
+            field_path=".sizeLimit",
         ),
         # Over plain http anyone on the path can swap the archive; the weights and tokenizer run in every worker.
         CrossFieldRule(
@@ -148,6 +179,14 @@ class ModelSource(ApiModel):
         default=None, pattern=SHA256_PATTERN,
         description="SHA-256 of the archive at uri (64 lowercase hex digits); the download is refused when it differs. "
         "Required for an http:// uri.",
+    )
+    size_limit: PositiveQuantity | None = Field(
+        default=None,
+        description="uri only: the most disk the fetched model may take in each worker pod, the sizeLimit of the "
+        f"emptyDir the init container fills (default {DEFAULT_MODEL_SIZE_LIMIT}). While unpacking, the archive and "
+        "the unpacked folder share it, so allow the archive's size plus the model's (about twice the model for "
+        "safetensors, which barely compress); the init container refuses a larger archive, or one that unpacks to "
+        "more, before the kubelet would evict the pod for it.",
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from tandem.operator.api import (
     API_KEY_ENV,
     API_VERSION,
+    DEFAULT_MODEL_SIZE_LIMIT,
     KIND,
     POOL_KIND,
     DisaggregatedModelSpec,
@@ -24,6 +25,7 @@ from tandem.operator.api import (
     ResourceRequirements,
     RouterSpec,
     Toleration,
+    quantity_bytes,
 )
 from tandem.worker.kv.keys import KVKeys
 from tandem.worker.server import control_token
@@ -216,7 +218,13 @@ def fetch_model_args(spec: DisaggregatedModelSpec) -> list[str]:
     args = ["fetch-model", "--uri", source.uri, "--dest", FETCHED_MODEL_DIR]
     if source.sha256 is not None:
         args += ["--sha256", source.sha256]
-    return args
+    # The emptyDir's limit: refused by fetch-model with a clear message rather than evicted by the kubelet.
+    return [*args, "--max-bytes", str(quantity_bytes(model_size_limit(spec)))]
+
+
+def model_size_limit(spec: DisaggregatedModelSpec) -> str:
+    """The sizeLimit of a uri source's emptyDir (spec.model.source.sizeLimit, or the default)."""
+    return str(spec.model.source.size_limit or DEFAULT_MODEL_SIZE_LIMIT)
 
 
 def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manifest:
@@ -291,7 +299,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif spec.model.source.uri is not None:
         # Per pod: a restarted container finds the model already there; a new pod downloads it again.
-        volumes.append({"name": "model", "emptyDir": {}})
+        volumes.append({"name": "model", "emptyDir": {"sizeLimit": model_size_limit(spec)}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}

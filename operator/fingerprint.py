@@ -23,7 +23,8 @@ def spec_fingerprint(spec: DisaggregatedModelSpec) -> str:
     payload = {
         "v": LAYOUT_VERSION,
         "model": spec.model.name,
-        "source": spec.model.source.model_dump(by_alias=True, exclude_none=True),
+        # Where the weights come from, not the room they are fetched into (sizeLimit changes no KV).
+        "source": spec.model.source.model_dump(by_alias=True, exclude_none=True, exclude={"size_limit"}),
         "dtype": spec.model.dtype,
         "block_size": spec.kv_transfer.block_size,
         "prefill_tensor_parallel": spec.prefill.gpus_per_replica,

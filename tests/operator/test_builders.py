@@ -209,13 +209,13 @@ def test_uri_source_is_fetched_into_an_empty_dir_by_an_init_container(pool: str,
     spec = spec_of(model={"name": "m", "source": source}, image="registry.example/tandem:3",
                    imagePullPolicy="Always", **{pool: {"env": [{"name": "HTTPS_PROXY", "value": "http://proxy:3128"}]}})
     pod = worker(spec, pool)["spec"]["template"]["spec"]
-    assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "model", "emptyDir": {"sizeLimit": "100Gi"}} in pod["volumes"]  # the default sizeLimit
     (init,) = pod["initContainers"]
     assert init == {
         "name": "fetch-model", "image": "registry.example/tandem:3", "imagePullPolicy": "Always",
         "command": ["tandem"],
         "args": ["fetch-model", "--uri", "https://models.example/tiny.tar.gz", "--dest", "/models/model",
-                 *checksum_args],
+                 *checksum_args, "--max-bytes", str(100 << 30)],
         "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HTTPS_PROXY", "value": "http://proxy:3128"}],
         "volumeMounts": [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}],
         "securityContext": builders.RESTRICTED_CONTEXT,
@@ -229,7 +229,8 @@ def test_init_container_env_is_only_home_when_the_pool_has_none() -> None:
     spec = spec_of(model={"name": "m", "source": {"uri": "https://10.0.0.5:8080/m.tar"}})
     (init,) = worker(spec, "decode")["spec"]["template"]["spec"]["initContainers"]
     assert init["env"] == [{"name": "HOME", "value": "/tmp"}]
-    assert init["args"] == ["fetch-model", "--uri", "https://10.0.0.5:8080/m.tar", "--dest", "/models/model"]
+    assert init["args"] == ["fetch-model", "--uri", "https://10.0.0.5:8080/m.tar", "--dest", "/models/model",
+                            "--max-bytes", str(100 << 30)]
 
 
 @pytest.mark.parametrize("source", [{"path": "/models/tiny"}, {"pvc": {"claimName": "weights"}}])

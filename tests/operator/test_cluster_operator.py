@@ -172,15 +172,17 @@ def test_uri_source_is_fetched_by_an_init_container(testbed: Bed, cleanup: list[
                                                     sample: Callable[[str], dict[str, Any]]) -> None:
     cleanup.append("fetched")
     uri, sha256 = "https://models.example/tiny-llama.tar.gz", "0123456789abcdef" * 4
-    testbed.apply(resource(sample, "fetched", model={"name": "tiny-llama", "source": {"uri": uri, "sha256": sha256}}))
+    source = {"uri": uri, "sha256": sha256, "sizeLimit": "40Gi"}
+    testbed.apply(resource(sample, "fetched", model={"name": "tiny-llama", "source": source}))
     wait_ready(testbed, "fetched")
     for pool in ("prefill", "decode"):
         pod = testbed.get("deployment", f"fetched-{pool}")["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
         assert init["name"] == "fetch-model" and init["command"] == ["tandem"]
-        assert init["args"] == ["fetch-model", "--uri", uri, "--dest", "/models/model", "--sha256", sha256]
+        assert init["args"] == ["fetch-model", "--uri", uri, "--dest", "/models/model", "--sha256", sha256,
+                                "--max-bytes", str(40 << 30)]
         assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
-        assert {"name": "model", "emptyDir": {}} in pod["volumes"]
+        assert {"name": "model", "emptyDir": {"sizeLimit": "40Gi"}} in pod["volumes"]
         worker = pod["containers"][0]
         assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
         assert worker["args"][worker["args"].index("--model") + 1] == "/models/model"

@@ -23,7 +23,8 @@ from tandem.worker.model.fetch import display_url
 
 @dataclass
 class Server:
-    """Serves the files of `root`; /truncated/<file> announces the whole file but sends half of it."""
+    """Serves the files of `root`; /truncated/<file> announces the whole file but sends half of it;
+    /nolength/<file> sends the whole file without a Content-Length (the end is the connection's close)."""
 
     root: Path
     url: str
@@ -55,6 +56,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                 self.end_headers()
                 self.wfile.write(body[: len(body) // 2])
                 self.wfile.flush()
+                self.close_connection = True
+                return
+            if self.path.startswith("/nolength/"):
+                body = (root / self.path.removeprefix("/nolength/")).read_bytes()
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(body)
                 self.close_connection = True
                 return
             super().do_GET()
@@ -278,6 +286,7 @@ def test_a_non_empty_destination_without_a_model_is_left_alone(server: Server, t
 @pytest.mark.parametrize(("args", "expected"), [
     (["--uri", "ftp://models.example/m.tgz"], "not an http:// or https:// URL"),
     (["--uri", "http://x/m.tgz", "--sha256", "abc"], "expected 64 hex digits"),
+    (["--uri", "http://x/m.tgz", "--max-bytes", "0"], "--max-bytes"),
 ])
 def test_bad_arguments_are_usage_errors(tmp_path: Path, args: list[str], expected: str) -> None:
     res = fetch(*args, "--dest", str(tmp_path / "model"))
@@ -366,3 +375,54 @@ def test_an_https_uri_redirected_to_plain_http_is_refused_without_a_checksum(
     res = fetch_trusting(cert, "--uri", f"{url}/to-http/down.tgz", "--dest", str(dest), "--sha256", digest)
     assert res.returncode == 0, res.stderr
     assert f"sha256 {digest}, verified" in res.stdout and same_files(tiny_model, dest)
+
+
+# --- --max-bytes: the emptyDir's sizeLimit, which the archive and its unpacked files share while unpacking ---
+
+
+def test_an_archive_larger_than_max_bytes_is_refused_before_its_body_is_read(server: Server, tiny_model: Path,
+                                                                             tmp_path: Path) -> None:
+    pack(server, "big.tgz", tiny_model)
+    size = (server.root / "big.tgz").stat().st_size
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/big.tgz", "--dest", str(dest), "--max-bytes", str(size - 1))
+    message = error(res)
+    assert message.startswith(f"{server.url}/big.tgz is ") and f"(--max-bytes {size - 1})" in message, message
+    assert res.stderr.count("\n") == 1  # refused on the announced length: no "downloading" line
+    assert_nothing_left(dest)
+
+
+def test_a_download_without_a_length_is_cut_at_max_bytes(server: Server, tiny_model: Path, tmp_path: Path) -> None:
+    pack(server, "unannounced.tgz", tiny_model)
+    size = (server.root / "unannounced.tgz").stat().st_size
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/nolength/unannounced.tgz", "--dest", str(dest), "--max-bytes", str(size // 2))
+    message = error(res)
+    assert message.startswith(f"{server.url}/nolength/unannounced.tgz is larger than the ") and \
+        f"(--max-bytes {size // 2}): refused after " in message, message
+    assert_nothing_left(dest)
+
+
+def test_an_archive_that_unpacks_past_max_bytes_is_refused_while_unpacking(server: Server, tmp_path: Path) -> None:
+    # 8 MiB of zeros gzip to a few KiB: the download fits, the files do not.
+    pack_members(server, "bomb.tgz", [member("m/config.json"), member("m/zeros.safetensors", bytes(8 << 20))])
+    archive = (server.root / "bomb.tgz").stat().st_size
+    assert archive < 64 << 10
+    dest = tmp_path / "models" / "model"
+    res = fetch("--uri", f"{server.url}/bomb.tgz", "--dest", str(dest), "--max-bytes", str(1 << 20))
+    message = error(res)
+    assert message.startswith(f"{server.url}/bomb.tgz unpacks to more than the 1.0 MiB the model may take "
+                              f"(--max-bytes {1 << 20})") and message.endswith("refusing the archive"), message
+    assert_nothing_left(dest)
+
+
+def test_a_model_that_fits_max_bytes_with_its_archive_is_fetched(server: Server, tiny_model: Path,
+                                                                 tmp_path: Path) -> None:
+    pack(server, "fits.tgz", tiny_model)
+    needed = (server.root / "fits.tgz").stat().st_size + sum(p.stat().st_size for p in tiny_model.iterdir())
+    dest = tmp_path / "models" / "model"
+    assert fetch("--uri", f"{server.url}/fits.tgz", "--dest", str(dest), "--max-bytes", str(needed - 1)).returncode == 1
+    assert_nothing_left(dest)
+    res = fetch("--uri", f"{server.url}/fits.tgz", "--dest", str(dest), "--max-bytes", str(needed))
+    assert res.returncode == 0, res.stderr
+    assert same_files(tiny_model, dest)

@@ -1,4 +1,4 @@
-"""`tandem fetch-model --uri URL --dest DIR [--sha256 HEX]`: download and unpack a model folder.
+"""`tandem fetch-model --uri URL --dest DIR [--sha256 HEX] [--max-bytes N]`: download and unpack a model folder.
 
 The init container of a worker pod whose model source is a uri runs this (docs/operator.md).
 """
@@ -48,7 +48,10 @@ def _check_sha256(ctx: click.Context, param: click.Parameter, value: str | None)
 @click.option("--sha256", default=None, callback=_check_sha256,
               help="Expected SHA-256 of the archive; a download that differs is refused. Without it, an https "
                    "URL may not be redirected to plain http.")
-def command(uri: str, dest: str, sha256: str | None) -> None:
+@click.option("--max-bytes", type=click.IntRange(min=1), default=None,
+              help="Most bytes the archive and its unpacked files may take together (they share DEST's volume "
+                   "while unpacking): a larger archive, or one that unpacks to more, is refused. Default: no limit.")
+def command(uri: str, dest: str, sha256: str | None, max_bytes: int | None) -> None:
     """Download a model folder archive, verify it and unpack it into DEST, atomically."""
     console = Console(stderr=True)
     # Started on the first byte only, so a skipped fetch or an HTTP error draws no empty bar.
@@ -81,7 +84,7 @@ def command(uri: str, dest: str, sha256: str | None) -> None:
             progress.stop()
 
     try:
-        result = fetch_model(uri, dest, sha256=sha256, on_progress=on_progress)
+        result = fetch_model(uri, dest, sha256=sha256, on_progress=on_progress, max_bytes=max_bytes)
     except FetchError as exc:
         stop_progress()
         click.echo(f"tandem fetch-model: error: {' '.join(str(exc).split())}", err=True)

@@ -66,10 +66,13 @@ def display_url(uri: str) -> str:
 
 
 def fetch_model(uri: str, dest: str | os.PathLike[str], sha256: str | None = None,
-                on_progress: OnProgress | None = None) -> FetchResult:
+                on_progress: OnProgress | None = None, max_bytes: int | None = None) -> FetchResult:
     """Download the tar archive at `uri` and install the model folder in it as `dest`.
 
-    Skips everything when dest/config.json exists. Raises FetchError with a one-line message.
+    Skips everything when dest/config.json exists. With `max_bytes` (the size of the volume dest is on: the
+    operator's emptyDir sizeLimit) the archive and its unpacked files together, which share that volume while
+    unpacking, may take at most that much: a larger download, or an archive that unpacks to more, is refused
+    before it gets there. Raises FetchError with a one-line message.
     """
     target = Path(dest).absolute()
     if (target / "config.json").is_file():
@@ -90,11 +93,11 @@ def fetch_model(uri: str, dest: str | os.PathLike[str], sha256: str | None = Non
         archive = work / "archive"
         # Without a checksum only TLS vouches for the archive: an https URL must not be redirected to plain http.
         https_only = expected is None and urlsplit(uri).scheme == "https"
-        size, digest = _download(uri, archive, on_progress, https_only)
+        size, digest = _download(uri, archive, on_progress, https_only, max_bytes)
         if expected is not None and digest != expected:
             raise FetchError(f"checksum mismatch for {display_url(uri)}: expected sha256 {expected}, got {digest}")
         unpacked = work / "unpacked"
-        _extract(archive, unpacked, uri)
+        _extract(archive, unpacked, uri, max_bytes, size)
         archive.unlink()
         _install(_model_folder(unpacked), target)
     finally:
@@ -103,9 +106,11 @@ def fetch_model(uri: str, dest: str | os.PathLike[str], sha256: str | None = Non
                        seconds=time.monotonic() - started)
 
 
-def _download(uri: str, path: Path, on_progress: OnProgress | None, https_only: bool = False) -> tuple[int, str]:
+def _download(uri: str, path: Path, on_progress: OnProgress | None, https_only: bool = False,
+              max_bytes: int | None = None) -> tuple[int, str]:
     """Stream `uri` into `path`, hashing as it goes; returns (bytes, sha256 hex). With `https_only`, a redirect
-    through plain http is refused before the body is read."""
+    through plain http is refused before the body is read; past `max_bytes`, the download is refused (at once
+    when the server announces a larger length)."""
     shown = display_url(uri)
     hasher = hashlib.sha256()
     received = 0
@@ -124,6 +129,8 @@ def _download(uri: str, path: Path, on_progress: OnProgress | None, https_only: 
             length = response.headers.get("content-length")
             total = int(length) if length and length.isdigit() and "content-encoding" not in response.headers \
                 else None
+            if max_bytes is not None and total is not None and total > max_bytes:
+                raise FetchError(f"{shown} is {_size(total)}, more than {_limit(max_bytes)}")
             if on_progress is not None:
                 on_progress(0, total)
             with path.open("wb") as out:
@@ -131,6 +138,8 @@ def _download(uri: str, path: Path, on_progress: OnProgress | None, https_only: 
                     out.write(chunk)
                     hasher.update(chunk)
                     received += len(chunk)
+                    if max_bytes is not None and received > max_bytes:
+                        raise FetchError(f"{shown} is larger than {_limit(max_bytes)}: refused after {_size(received)}")
                     if on_progress is not None:
                         on_progress(received, total)
     except httpx.TimeoutException as exc:
@@ -164,17 +173,37 @@ def _check_member(member: tarfile.TarInfo) -> None:
                          "refusing the archive")
 
 
-def _checked(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
+def _checked(tar: tarfile.TarFile, uri: str, max_bytes: int | None, archive_bytes: int) -> Iterator[tarfile.TarInfo]:
+    """The members, each checked before it is written. With `max_bytes`, the files written so far and the
+    archive beside them (deleted only once all is unpacked) may take at most that much."""
+    unpacked = 0
     for member in tar:  # one pass: a large .tar.gz is decompressed once
         _check_member(member)
+        if max_bytes is not None and member.isreg():
+            unpacked += member.size
+            if archive_bytes + unpacked > max_bytes:
+                raise FetchError(f"{display_url(uri)} unpacks to more than {_limit(max_bytes)} (the "
+                                 f"{_size(archive_bytes)} archive and over {_size(unpacked)} of files, which share "
+                                 "the volume while unpacking); refusing the archive")
         yield member
 
 
-def _extract(archive: Path, into: Path, uri: str) -> None:
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} bytes"
+
+
+def _limit(max_bytes: int) -> str:
+    return f"the {_size(max_bytes)} the model may take (--max-bytes {max_bytes})"
+
+
+def _extract(archive: Path, into: Path, uri: str, max_bytes: int | None = None, archive_bytes: int = 0) -> None:
     into.mkdir()
     try:
         with _open_tar(archive, uri) as tar:
-            tar.extractall(into, members=_checked(tar), filter="data")
+            tar.extractall(into, members=_checked(tar, uri, max_bytes, archive_bytes), filter="data")
     except tarfile.FilterError as exc:
         raise FetchError(f"unsafe archive member, refusing the archive: {exc}") from exc
     except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, gzip.BadGzipFile) as exc:
