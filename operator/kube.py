@@ -30,6 +30,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Event"): "events",
     ("v1", "Secret"): "secrets",  # only the kvTransfer.secure keypair: get and create, never list or apply
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
+    ("networking.k8s.io/v1", "NetworkPolicy"): "networkpolicies",
     ("rbac.authorization.k8s.io/v1", "Role"): "roles",
     ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
     (api.API_VERSION, api.KIND): api.PLURAL,
@@ -127,6 +128,16 @@ class Kube:
         query = [("labelSelector", ",".join(f"{k}={v}" for k, v in sorted(selector.items())))]
         items = self._request("GET", _path(api_version, kind, namespace), query).get("items") or []
         return [item for item in items if isinstance(item, dict)]
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
+        """Delete one object by name; False when it was already gone."""
+        try:
+            self._request("DELETE", _path(api_version, kind, namespace, name))
+        except KubeError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return True
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, body: Mapping[str, Any]) -> Obj:
         """JSON merge patch of an object's main resource."""

@@ -9,11 +9,12 @@ timer per resource (--autoscale-interval) that writes its decision to status and
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import click
@@ -26,6 +27,13 @@ from tandem.operator.autoscaler_run import autoscale_resource, signal_source
 from tandem.operator.autoscaler_timer import AutoscalerMetrics
 from tandem.operator.builders import MANAGER
 from tandem.operator.kube import Kube, KubeError, load_configuration
+from tandem.operator.network_policy import (
+    DEFAULT_METRICS_NAMESPACE_SELECTOR,
+    DEFAULT_METRICS_POD_SELECTOR,
+    NetworkPolicySettings,
+    describe,
+    settings_from_options,
+)
 from tandem.operator.reconcile import reconcile
 from tandem.operator.telemetry import count_reconcile
 
@@ -49,12 +57,15 @@ class OperatorOptions:
     prometheus_url: str | None
     autoscale_interval: float
     kubeconfig: str | None
+    network_policy: NetworkPolicySettings = field(default_factory=NetworkPolicySettings)
 
 
 _kube: Kube | None = None
 # --kubeconfig, set by `command` before kopf starts. Both kopf's watches (the login handler below) and
 # the operator's own client use it, so the two never run as different identities.
 _kubeconfig: str | None = None
+# --network-policy and its selectors, set by `command`: what every reconcile makes of the models' NetworkPolicies.
+_network_policy = NetworkPolicySettings()
 
 
 def _client() -> Kube:
@@ -104,7 +115,7 @@ def _emit(resource: Mapping[str, Any], type_: str, reason: str, message: str) ->
 
 def _reconcile(namespace: str, name: str) -> None:
     try:
-        outcome = reconcile(_client(), namespace, name, _emit)
+        outcome = reconcile(_client(), namespace, name, _emit, _network_policy)
     except KubeError as exc:
         count_reconcile(namespace, name, failed=True)
         raise kopf.TemporaryError(str(exc), delay=RETRY_SECONDS) from exc
@@ -212,19 +223,41 @@ def _url_host(address: str) -> str:
               help="Seconds between autoscaler decisions.")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Kubeconfig file. Default: in-cluster credentials, else $KUBECONFIG or ~/.kube/config.")
+@click.option("--network-policy/--no-network-policy", default=True, show_default=True,
+              help="Give every model ingress NetworkPolicies (router: its port; workers: the model's router, its "
+                   "prefill pool on decode's KV port, the metrics scrapers). Off: remove the ones made earlier.")
+@click.option("--network-policy-metrics-namespace-selector", metavar="JSON",
+              default=json.dumps(DEFAULT_METRICS_NAMESPACE_SELECTOR), show_default=True,
+              help="Namespaces whose pods may scrape the workers' port (a LabelSelector as JSON; {}: all; null: leave out).")
+@click.option("--network-policy-metrics-pod-selector", metavar="JSON",
+              default=json.dumps(DEFAULT_METRICS_POD_SELECTOR, separators=(",", ":")), show_default=True,
+              help="Pods that may scrape the workers' port (a LabelSelector as JSON; null: leave out). With a namespace "
+                   "selector: those pods in those namespaces; alone: those pods in the model's namespace.")
+@click.option("--network-policy-clients", metavar="JSON", default="[]", show_default=True,
+              help="Who may reach the router's port: a JSON list of NetworkPolicyPeers ([]: anyone).")
 @click.option("-v", "--verbose", is_flag=True, help="Debug logging.")
 def command(namespaces: tuple[str, ...], metrics_port: int, health_port: int, listen_address: str,
-            prometheus_url: str | None, autoscale_interval: float, kubeconfig: str | None, verbose: bool) -> None:
+            prometheus_url: str | None, autoscale_interval: float, kubeconfig: str | None, network_policy: bool,
+            network_policy_metrics_namespace_selector: str, network_policy_metrics_pod_selector: str,
+            network_policy_clients: str, verbose: bool) -> None:
     """Run the Kubernetes operator that turns DisaggregatedModel resources into pools and a router."""
-    global _kubeconfig
+    global _kubeconfig, _network_policy
+    try:
+        policies = settings_from_options(network_policy, network_policy_metrics_namespace_selector,
+                                         network_policy_metrics_pod_selector, network_policy_clients)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
     if metrics_port == health_port:
         # Both would bind it: the metrics server first, and it answers every path with 200, so a
         # liveness probe would pass while kopf failed to start.
         raise click.UsageError(f"--metrics-port and --health-port are both {health_port}; give them different ports")
     # Not via $KUBECONFIG: the kubernetes library reads that once, when it is imported (already done).
     _kubeconfig = os.path.abspath(kubeconfig) if kubeconfig else None
-    options = OperatorOptions(namespaces, metrics_port, health_port, prometheus_url, autoscale_interval, kubeconfig)
+    _network_policy = policies
+    options = OperatorOptions(namespaces, metrics_port, health_port, prometheus_url, autoscale_interval, kubeconfig,
+                              policies)
     kopf.configure(verbose=verbose)
+    log.info("%s", describe(policies))
     if metrics_port:
         start_http_server(metrics_port, addr=listen_address)
     # sharp: ticks on a fixed grid, so windows and "within two intervals" mean what they say.

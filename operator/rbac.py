@@ -32,6 +32,9 @@ RULES: tuple[tuple[str, tuple[str, ...], list[str], str], ...] = (
      "apply the pools' and router's Deployments; watch them to revert edits and follow readiness"),
     ("", ("services", "serviceaccounts"), APPLY, "worker and router Services; the router's ServiceAccount"),
     ("policy", ("poddisruptionbudgets",), APPLY, "one PodDisruptionBudget per pool"),
+    ("networking.k8s.io", ("networkpolicies",), ["list", *APPLY, "delete"],
+     "the model's ingress NetworkPolicies (router, prefill, decode); with `--no-network-policy`, list and delete "
+     "the ones it made before"),
     ("rbac.authorization.k8s.io", ("roles", "rolebindings"), APPLY,
      "the router's Role and RoleBinding (endpoint discovery)"),
     ("", ("secrets",), ["get", "create"],

@@ -15,10 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.operator import builders, conditions, control_secret, kv_keys, pool_scale
+from tandem.operator import builders, conditions, control_secret, kv_keys, network_policy, pool_scale
 from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
 from tandem.operator.fingerprint import spec_fingerprint
 from tandem.operator.kube import Kube, KubeError
+from tandem.operator.network_policy import NetworkPolicySettings
 from tandem.operator.replicas import desired_replicas, scaled_by
 from tandem.operator.rules import describe_validation_error
 
@@ -40,6 +41,7 @@ class Outcome:
     """What a reconcile did, for the handler (retry or not) and for tests."""
 
     applied: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)  # e.g. "NetworkPolicy tiny-router" once policies are turned off
     status: dict[str, Any] = field(default_factory=dict)
     apply_error: str | None = None
     invalid_spec: str | None = None
@@ -89,13 +91,16 @@ def _scale_events(before: Mapping[str, dict[str, Any]], owner: builders.Owner,
     return events
 
 
-def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink) -> Outcome:
-    """Reconcile the resource as it is now (re-read under the lock, so a queued trigger never acts on a stale copy)."""
+def reconcile(kube: Kube, namespace: str, name: str, emit: EventSink,
+              policies: NetworkPolicySettings | None = None) -> Outcome:
+    """Reconcile the resource as it is now (re-read under the lock, so a queued trigger never acts on a stale copy).
+
+    `policies`: the operator's NetworkPolicy setting (`tandem operator --network-policy ...`; default: on)."""
     with resource_lock(namespace, name):
         body = kube.get(API_VERSION, KIND, namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return Outcome()  # gone or going: owner references let the garbage collector remove the children
-        return _reconcile_locked(kube, body, lambda *event: emit(body, *event))
+        return _reconcile_locked(kube, body, lambda *event: emit(body, *event), policies or NetworkPolicySettings())
 
 
 def _kv_keys_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outcome,
@@ -143,9 +148,12 @@ def _control_token_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outco
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
                     fingerprint: str, kv_keys_fingerprint: str | None, control_token_fingerprint: str,
                     outcome: Outcome, emit: Callable[[str, str, str], None],
-                    before: Mapping[str, dict[str, Any]]) -> None:
-    for child in builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, fingerprint,
-                                         kv_keys_fingerprint, control_token_fingerprint):
+                    before: Mapping[str, dict[str, Any]], policies: NetworkPolicySettings) -> None:
+    # The NetworkPolicies first: a new model's pods start out with only their legitimate paths open.
+    children = [*network_policy.network_policies(owner, policies),
+                *builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, fingerprint,
+                                         kv_keys_fingerprint, control_token_fingerprint)]
+    for child in children:
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
             kube.apply(child)
@@ -155,8 +163,26 @@ def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelS
                 raise  # the API server is unreachable: let the handler retry, status cannot be written either
             outcome.apply_error = f"{label}: {exc}"
             break
+    if not policies.enabled:
+        _remove_network_policies(kube, owner, outcome, emit)
     for event in _scale_events(before, owner, desired):
         emit(*event)
+
+
+def _remove_network_policies(kube: Kube, owner: builders.Owner, outcome: Outcome,
+                             emit: Callable[[str, str, str], None]) -> None:
+    """Policies turned off (`--no-network-policy`): delete the ones an earlier run made for this model."""
+    try:
+        removed = network_policy.remove(kube, owner)
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        outcome.apply_error = "; ".join(filter(None, (outcome.apply_error, f"removing NetworkPolicies: {exc}")))
+        return
+    if removed:
+        outcome.removed += [f"{network_policy.KIND} {name}" for name in removed]
+        emit("Normal", "NetworkPoliciesRemoved",
+             f"deleted NetworkPolicy {', '.join(removed)}: the operator runs with NetworkPolicies off")
 
 
 def _observe(kube: Kube, owner: builders.Owner, desired: Mapping[str, int],
@@ -182,7 +208,8 @@ def _observe(kube: Kube, owner: builders.Owner, desired: Mapping[str, int],
     ]
 
 
-def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, str, str], None]) -> Outcome:
+def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, str, str], None],
+                      policies: NetworkPolicySettings) -> Outcome:
     meta = body["metadata"]
     owner = builders.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     generation = int(meta.get("generation", 0))
@@ -202,7 +229,7 @@ def _reconcile_locked(kube: Kube, body: Mapping[str, Any], emit: Callable[[str, 
         keys = _kv_keys_fingerprint(kube, owner, outcome, emit) if spec.kv_transfer.secure else None
         control = _control_token_fingerprint(kube, owner, outcome, emit)
         if (keys is not None or not spec.kv_transfer.secure) and control is not None:
-            _apply_children(kube, owner, spec, desired, fingerprint, keys, control, outcome, emit, before)
+            _apply_children(kube, owner, spec, desired, fingerprint, keys, control, outcome, emit, before, policies)
         # else: nothing is applied (the pods as they run stay) until the Secrets are usable again.
 
     observations = _observe(kube, owner, desired, outcome)

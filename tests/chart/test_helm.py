@@ -256,3 +256,34 @@ def test_notes_commands_look_where_the_example_was_applied(tmp_path: Any, render
     columns = {c["name"].lower(): c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
     assert "endpoint" in notes.split("get dm my-model", 1)[1].splitlines()[0]
     assert columns["endpoint"] == ".status.endpoint"
+
+
+def operator_settings(args: list[str]) -> Any:
+    """The NetworkPolicy setting `tandem operator` makes of the chart's args (click parses them as in the pod)."""
+    from tandem.operator.main import command
+    from tandem.operator.network_policy import settings_from_options
+
+    assert args[0] == "operator"
+    params = command.make_context("operator", list(args[1:])).params
+    return settings_from_options(params["network_policy"], params["network_policy_metrics_namespace_selector"],
+                                 params["network_policy_metrics_pod_selector"], params["network_policy_clients"])
+
+
+def test_network_policy_values_reach_the_operator(render: Render) -> None:
+    from tandem.operator.network_policy import NetworkPolicySettings
+
+    assert operator_settings(operator_container(render())["args"]) == NetworkPolicySettings()  # on, Prometheus pods
+    monitoring = {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}
+    args = operator_container(render(
+        "networkPolicy.metrics.namespaceSelector.matchLabels.kubernetes\\.io/metadata\\.name=monitoring",
+        "networkPolicy.metrics.podSelector=null",
+        "networkPolicy.clients[0].namespaceSelector.matchLabels.team=web"))["args"]
+    assert operator_settings(args) == NetworkPolicySettings(
+        metrics_namespace_selector=monitoring, metrics_pod_selector=None,
+        clients=({"namespaceSelector": {"matchLabels": {"team": "web"}}},))
+    off = operator_settings(operator_container(render("networkPolicy.enabled=false"))["args"])
+    assert off.enabled is False
+    # `helm upgrade --reuse-values` from a chart without the block renders no flag: the operator's defaults (on).
+    args = operator_container(render("networkPolicy=null"))["args"]
+    assert not [a for a in args if a.startswith("--network-policy")]
+    assert operator_settings(args) == NetworkPolicySettings()
