@@ -520,9 +520,10 @@ class RouterSpec(ApiModel):
         default=None,
         description="A Secret key holding the API keys clients must send as `Authorization: Bearer <key>` on every "
         "route but /health, /ready and /metrics: one key, or several separated by whitespace, all valid at once. "
-        f"The router reads it from the environment variable {API_KEY_ENV}. To rotate: put the new key beside the "
-        "old one, restart the routers (kubectl rollout restart deployment/<name>-router), move clients, then drop "
-        "the old key and restart again. Unset: the router asks no key (anyone who reaches its Service may use it).",
+        f"The router reads it from the environment variable {API_KEY_ENV} at start; the operator reads the Secret "
+        "at every reconcile and rolls the routers when its value changes (annotation tandem.dev/api-key-fingerprint "
+        "on their pods). To rotate: put the new key beside the old one, move clients once the routers have rolled, "
+        "then drop the old key. Unset: the router asks no key (anyone who reaches its Service may use it).",
     )
 
 

@@ -60,6 +60,8 @@ CONTROL_TOKEN_VOLUME = "control-token"
 CONTROL_TOKEN_COMPONENT = "control-token"  # the Secret's component label
 # On worker and router pod templates: a new token (the Secret deleted and recreated, or edited) rolls them all.
 CONTROL_TOKEN_FINGERPRINT_ANNOTATION = "tandem.dev/control-token-fingerprint"
+# On the router pod template: spec.router.apiKeySecret's value changed (router_api_key.py) rolls the routers.
+API_KEY_FINGERPRINT_ANNOTATION = "tandem.dev/api-key-fingerprint"
 MANAGER = "tandem-operator"
 Component = str  # prefill | decode | router
 
@@ -414,7 +416,9 @@ def router_args(owner: Owner, spec: DisaggregatedModelSpec) -> list[str]:
 
 
 def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
-                      control_token_fingerprint: str | None = None) -> Manifest:
+                      control_token_fingerprint: str | None = None, api_key_fingerprint: str | None = None) -> Manifest:
+    """`api_key_fingerprint` (router_api_key.py: of spec.router.apiKeySecret's value) goes on the template, so new
+    keys roll the routers (they read $TANDEM_API_KEY at start)."""
     router = spec.router
     args = router_args(owner, spec)
     volumes: list[Manifest] = []
@@ -422,6 +426,8 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
     _mount_control_token(owner, volumes, mounts, annotations, control_token_fingerprint)
+    if api_key_fingerprint:
+        annotations[API_KEY_FINGERPRINT_ANNOTATION] = api_key_fingerprint
     _scratch(volumes, mounts)
     container: Manifest = {
         "name": "router",
@@ -510,7 +516,7 @@ def router_access(owner: Owner) -> list[Manifest]:
 
 def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping[PoolName, int],
                    spec_fingerprint: str, kv_keys_fingerprint: str | None = None,
-                   control_token_fingerprint: str | None = None) -> list[Manifest]:
+                   control_token_fingerprint: str | None = None, api_key_fingerprint: str | None = None) -> list[Manifest]:
     """Every child of one resource, in apply order (RBAC before the pods that use it).
 
     Not the KV keys or control token Secrets: they are created once (kv_keys.ensure, control_secret.ensure),
@@ -523,7 +529,7 @@ def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping
                                           control_token_fingerprint))
     children.append(router_service(owner, spec))
     children.append(disruption_budget(owner, "router"))
-    children.append(router_deployment(owner, spec, spec.router.replicas, control_token_fingerprint))
+    children.append(router_deployment(owner, spec, spec.router.replicas, control_token_fingerprint, api_key_fingerprint))
     return children
 
 

@@ -39,7 +39,8 @@ RULES: tuple[tuple[str, tuple[str, ...], list[str], str], ...] = (
      "the router's Role and RoleBinding (endpoint discovery)"),
     ("", ("secrets",), ["get", "create"],
      "read the worker control token Secret `<dm>-control-token` and, with kvTransfer.secure, the keypair Secret "
-     "`<dm>-kv-keys`; create them when missing; no list or watch (the operator never reads Secrets in bulk) and "
+     "`<dm>-kv-keys`; create them when missing; read spec.router.apiKeySecret's Secret for the fingerprint that "
+     "rolls the routers; no list or watch (the operator never reads Secrets in bulk) and "
      "no patch or update (it never overwrites a token or keys)"),
     ("", ("pods",), READ, "watch for unschedulable worker pods (Degraded); also granted to the router"),
     ("", ("endpoints",), READ, "granted to the router (a Role may only grant what its writer holds)"),

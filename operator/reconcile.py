@@ -15,7 +15,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from tandem.operator import builders, conditions, control_secret, kv_keys, network_policy, pool_scale
+from tandem.operator import (
+    builders,
+    conditions,
+    control_secret,
+    kv_keys,
+    network_policy,
+    pool_scale,
+    router_api_key,
+)
 from tandem.operator.api import API_VERSION, KIND, POOLS, DisaggregatedModelSpec, PoolName, name_problem
 from tandem.operator.fingerprint import spec_fingerprint
 from tandem.operator.kube import Kube, KubeError
@@ -145,14 +153,33 @@ def _control_token_fingerprint(kube: Kube, owner: builders.Owner, outcome: Outco
     return fingerprint
 
 
+def _api_key_fingerprint(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec,
+                         outcome: Outcome) -> str | None:
+    """spec.router.apiKeySecret: the fingerprint of its value for the router pod template ("" when unset), so
+    new keys roll the routers (router_api_key.py); None, with the problem recorded, when it cannot be read."""
+    ref = spec.router.api_key_secret
+    if ref is None:
+        return ""
+    try:
+        return router_api_key.read_fingerprint(kube, owner.namespace, ref)
+    except KubeError as exc:
+        if exc.status == 0:
+            raise
+        outcome.apply_error = "; ".join(filter(None, (outcome.apply_error, f"Secret {ref.name}: {exc}")))
+        return None
+
+
 def _apply_children(kube: Kube, owner: builders.Owner, spec: DisaggregatedModelSpec, desired: Mapping[str, int],
                     fingerprint: str, kv_keys_fingerprint: str | None, control_token_fingerprint: str,
                     outcome: Outcome, emit: Callable[[str, str, str], None],
                     before: Mapping[str, dict[str, Any]], policies: NetworkPolicySettings) -> None:
+    api_key = _api_key_fingerprint(kube, owner, spec, outcome)
+    if api_key is None:
+        return  # a failed read must not drop the annotation and roll the routers: nothing is applied this pass
     # The NetworkPolicies first: a new model's pods start out with only their legitimate paths open.
     children = [*network_policy.network_policies(owner, policies),
                 *builders.build_children(owner, spec, {p: desired[p] for p in POOLS}, fingerprint,
-                                         kv_keys_fingerprint, control_token_fingerprint)]
+                                         kv_keys_fingerprint, control_token_fingerprint, api_key or None)]
     for child in children:
         label = f"{child['kind']} {child['metadata']['name']}"
         try:
