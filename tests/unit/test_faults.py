@@ -60,4 +60,8 @@ def test_a_local_stack_refuses_a_prefill_fault_without_the_switch(model_dir: Pat
 
 
 def test_the_hidden_options_take_the_known_faults() -> None:
-    assert faults.FAULTS == ("drop-kv",) and faults.FLAG == "--fault"
+    from tandem.worker.commands import serve, worker
+
+    assert "drop-kv" in faults.FAULTS and faults.FLAG == "--fault"
+    choices = {p.name: getattr(p.type, "choices", None) for cmd in (worker.command, serve.command) for p in cmd.params}
+    assert tuple(choices["fault"]) == tuple(choices["prefill_fault"]) == faults.FAULTS
