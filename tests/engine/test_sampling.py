@@ -53,6 +53,8 @@ def test_filters_keep_only_allowed_tokens() -> None:
         # probabilities ~[.64,.24,.09,.03,.01]: the smallest set reaching 0.8 is {0, 1}
         (SamplingParams(top_p=0.8), {0, 1}),
         (SamplingParams(min_p=0.3), {0, 1}),  # keeps tokens with p >= 0.3 * 0.64
+        # A top_p that is 0 in float32 (the router's fuzz run sent 5e-324): the best token, not a failed request.
+        (SamplingParams(top_p=5e-324), {0}),
         (SamplingParams(), {0, 1, 2, 3, 4}),
     ]
     for params, allowed in cases:

@@ -98,6 +98,9 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass of strictly better tokens
         drop_sorted = before >= torch.tensor(top_p, device=device, dtype=probs.dtype)[:, None]
+        # The best token always stays: a top_p that rounds to 0 in the logits' dtype (5e-324 is a valid
+        # top_p > 0, and 0 in float32) would otherwise drop every token and fail the request.
+        drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     min_p = [p.min_p for p in params]

@@ -16,6 +16,7 @@ import anyio
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -23,8 +24,9 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
-from tandem.worker.router import errors
+from tandem.worker.router import canary, errors
 from tandem.worker.router.auth import ApiKeyMiddleware, ApiKeys
+from tandem.worker.router.canary import DEFAULT_INTERVAL_S as DEFAULT_CANARY_INTERVAL_S
 from tandem.worker.router.discovery import Discovery
 from tandem.worker.router.dispatch import DECODE_ROLES, PREFILL_ROLES, Dispatcher, TokenEvent
 from tandem.worker.router.errors import APIError
@@ -76,6 +78,7 @@ class RouterConfig:
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS  # see limits.Admission
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
+    canary_interval: float = DEFAULT_CANARY_INTERVAL_S  # seconds between output canary probes; 0: off (canary.py)
 
 
 class RouterState:
@@ -91,6 +94,13 @@ class RouterState:
         self._tokenizer: Tokenizer | None = None
         self.chars_per_token: float | None = None  # see tokens.chars_per_token_bound
         self._tok_lock = asyncio.Lock()
+        self.canary = (canary.Canary(self.dispatcher, self.telemetry, self._encode_probe, cfg.canary_interval)
+                       if cfg.canary_interval > 0 else None)
+
+    async def _encode_probe(self, text: str) -> list[int]:
+        tok = await self.tokenizer()
+        self.learn_model()  # the probe's count needs the model's name on the metrics
+        return await asyncio.to_thread(encode, tok, text)
 
     def learn_model(self) -> str | None:
         """The served model's name (given, or what a loaded worker serves); labels the metrics once known."""
@@ -156,7 +166,8 @@ def create_app(cfg: RouterConfig) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.registry.start()
         state.learn_model()
-        yield
+        async with canary.running(state.canary):
+            yield
         await state.registry.close()
         await state.dispatcher.close()
 
@@ -231,15 +242,53 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             entry["max_model_len"] = info.max_model_len
         return {"object": "list", "data": [entry]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _serve(state, request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_json_body(ChatRequest))
     async def chat_completions(request: Request) -> Response:
         return await _serve(state, request, chat=True)
 
+    def openapi() -> dict[str, Any]:
+        # The bodies are parsed by hand (parse_body: a 413 before reading, OpenAI's error shape), so FastAPI
+        # knows no model for them: the schemas the routes' requestBody refers to are added here.
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (CompletionRequest, ChatRequest):
+                body = _json_schema_bounds(model.model_json_schema(ref_template=REF_TEMPLATE))
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     return app
+
+
+REF_TEMPLATE = "#/components/schemas/{model}"
+
+
+# pydantic writes a bound it could not place (a Field(ge=1) on `Int | None`, whose Int has a BeforeValidator)
+# under its own name, which JSON Schema ignores; the validation itself applies it.
+_BOUNDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _json_schema_bounds(schema: Any) -> Any:
+    """`schema` with pydantic's ge/le/gt/lt renamed to JSON Schema's minimum/maximum/exclusive*."""
+    if isinstance(schema, list):
+        return [_json_schema_bounds(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    numeric = schema.get("type") in ("integer", "number")
+    return {(_BOUNDS[k] if numeric and k in _BOUNDS else k): _json_schema_bounds(v) for k, v in schema.items()}
+
+
+def _json_body(model: type[CompletionRequest] | type[ChatRequest]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that reads `model` from its JSON body (see create_app's openapi)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}}
 
 
 def _worker_counts(state: RouterState) -> dict[str, int]:

@@ -62,23 +62,32 @@ class _Common(BaseModel):
     top_k: Int = Field(0, ge=-1, le=INT32_MAX)  # vLLM: -1 and 0 both mean off
     min_p: Float = Field(0.0, ge=0.0, le=1.0)
     seed: Int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(None, json_schema_extra={"anyOf": [  # see stop_list
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 16},
+        {"type": "null"}]})
     stop_token_ids: list[TokenId] | None = None
     stream: Flag = False
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
-    n: Int = Field(1, ge=1)
-    best_of: Int | None = None  # only 1 (or null) is accepted: see _check_unsupported
+    # The published schema (the router's /openapi.json) says what _check_unsupported accepts: n=1, best_of 1 or
+    # null, no penalties, no echo. Validation stays as it is, so that the 400 names the unsupported feature.
+    n: Int = Field(1, ge=1, json_schema_extra={"maximum": 1})
+    best_of: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})
     return_token_ids: Flag = False  # vLLM extension: token ids in each choice
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
+    presence_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
+    frequency_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
     user: str | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[Int] | list[str] | list[list[Int]]
+    # Not empty, and one prompt per request (_check_unsupported).
+    prompt: str | list[Int] | list[str] | list[list[Int]] = Field(json_schema_extra={"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+         "minItems": 1, "maxItems": 1}]})
     logprobs: Int | None = Field(None, ge=0, le=5)
-    echo: Flag = False
+    echo: Flag = Field(False, json_schema_extra={"const": False})
 
 
 class ChatMessage(BaseModel):
