@@ -8,6 +8,7 @@ callback never sees.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -16,10 +17,11 @@ import torch
 
 from tandem.worker.engine import LayerWrite
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.server.kv_link import KVShipper
+from tandem.worker.server.kv_link import KVIntake, KVShipper
 from tandem.worker.transfer.errors import TransferError
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
+from tandem.worker.transfer.wire import prompt_digest
 
 LAYOUT = KVLayout(model="kv-link-test", dtype="float32", block_size=4, num_layers=3, num_kv_heads=2, head_dim=8)
 NUM_BLOCKS = 32
@@ -97,3 +99,25 @@ def test_too_few_reserved_blocks_is_a_clear_error(pair: Any) -> None:
     _src, _dst, receiver, sender = pair
     with pytest.raises(ValueError, match="reserved 1 blocks, the prompt needs 3"):
         KVShipper(sender, LAYOUT.num_layers, LAYOUT.block_size).begin("r", receiver.address, "t", [5], 9, 5.0)
+
+
+@pytest.mark.parametrize("declared", [prompt_digest(list(range(50, 60))), None], ids=["bound", "unbound"])
+def test_the_intake_gets_the_prompt_digest_the_shipper_declared(pair: Any, declared: bytes | None) -> None:
+    """The prefill side's digest of its prompt travels with the KV; the decode side's reservation holds it
+    once the transfer arrived (the decode handler compares it with its request's prompt)."""
+    _src, dst, receiver, sender = pair
+    src_blocks = [3, 7, 8]
+
+    async def scenario() -> None:
+        intake = KVIntake(receiver, lambda request_id: None)
+        res = intake.open("r", [20, 21, 22], 10.0)
+        shipper = KVShipper(sender, LAYOUT.num_layers, LAYOUT.block_size)
+        await asyncio.to_thread(shipper.begin, "r", receiver.address, res.transfer_id, res.block_ids, 10, 10.0,
+                                declared)
+        await asyncio.to_thread(shipper.finish, "r", src_blocks)
+        assert await asyncio.wait_for(res.outcome, 10) is None
+        assert res.prompt_digest == declared
+        assert intake.claim("r") is res
+
+    asyncio.run(scenario())
+    assert dst[:, :, [20, 21, 22]].any()

@@ -36,6 +36,8 @@ import pytest
 import zmq
 from openai import OpenAI
 
+from tandem.worker.transfer import wire
+
 from .conftest import Stack, control_headers, metric_value, wait_until_disaggregated
 
 pytestmark = pytest.mark.integration
@@ -119,7 +121,8 @@ def junk_sessions(address: str, layout_hash: str, count: int) -> tuple[int, int]
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{ATTACKER}:0;{host_port}")
-            hello = {"protocol": 4, "transport": "tcp", "layout_hash": layout_hash, "session": uuid.uuid4().hex}
+            hello = {"protocol": wire.PROTOCOL_VERSION, "transport": "tcp", "layout_hash": layout_hash,
+                     "session": uuid.uuid4().hex}
             sock.send_multipart([b"H", json.dumps(hello).encode()])
             socks.append(sock)
         limit = time.monotonic() + 15

@@ -15,7 +15,7 @@ import torch
 
 from tandem.worker import metrics as m
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.transfer import TransferError, TransferTelemetry, make_sender
+from tandem.worker.transfer import TransferError, TransferTelemetry, make_sender, wire
 from tandem.worker.transfer.conformance import (
     RDMA_LOOPBACK,
     TINY_LAYOUT,
@@ -201,6 +201,104 @@ def test_misaddressed_frame_is_rejected_and_never_written(transport: str, dst_id
             peer.close()
         assert error is not None and error.reason == "invalid_frame" and why in error.message
         assert not pair.dst.any()
+
+
+class DigestWaiter(DoneWaiter):
+    """on_done that also reads, inside the callback, the prompt digest the receiver holds for the transfer
+    (what a decode worker does: KVIntake)."""
+
+    def __init__(self, receiver: object) -> None:
+        super().__init__()
+        self.receiver = receiver
+        self.digests: list[bytes | None] = []
+
+    def __call__(self, transfer_id: str, error: TransferError | None) -> None:
+        self.digests.append(self.receiver.prompt_digest(transfer_id))  # type: ignore[attr-defined]
+        super().__call__(transfer_id, error)
+
+
+def test_begin_carries_the_prompt_digest(transport: str) -> None:
+    """The prefill side's digest of its prompt reaches the receiver's owner inside the transfer (BEGIN),
+    on the authenticated channel; a transfer begun without one reports none."""
+    digest = wire.prompt_digest(list(range(100, 140)))
+    with transport_pair(transport) as pair:
+        conn = pair.sender.connect(pair.receiver.address)
+        bound, unbound = DigestWaiter(pair.receiver), DigestWaiter(pair.receiver)
+        pair.receiver.expect("req-bound", [1, 2], 10.0, bound)
+        pair.receiver.expect("req-unbound", [3, 4], 10.0, unbound)
+        assert pair.receiver.prompt_digest("req-bound") is None  # nothing declared before BEGIN
+        for transfer_id, dst_ids, declared in (("req-bound", [1, 2], digest), ("req-unbound", [3, 4], None)):
+            transfer = conn.begin(transfer_id, dst_ids, 10.0, prompt_digest=declared)
+            for layer in range(TINY_LAYOUT.num_layers):
+                transfer.send_layer(layer, [5, 6])
+            transfer.finish()
+        assert bound.wait(5) is None and bound.digests == [digest]
+        assert unbound.wait(5) is None and unbound.digests == [None]
+        assert pair.receiver.prompt_digest("req-bound") == digest  # still known after on_done
+        assert pair.receiver.prompt_digest("req-nobody-expects") is None
+        with pytest.raises(ValueError, match="32 bytes"):
+            conn.begin("req-short-digest", [7], 5.0, prompt_digest=digest[:16])
+
+
+def test_a_transfer_completes_only_once_its_begin_arrived(transport: str) -> None:
+    """Frames may overtake BEGIN (they use every stream); the transfer completes when BEGIN, which names the
+    prompt, has arrived too, and a transfer that never gets one times out saying so."""
+    if transport != "tcp":
+        pytest.skip("frames are injected with the tcp wire protocol; an rdma sender WRITEs only after BEGIN "
+                    "was answered, and its receiver fails a FINISH that comes before BEGIN")
+    dst_ids = [4, 5]
+    digest = wire.prompt_digest([9, 8, 7])
+    payload = b"\x01" * (len(dst_ids) * TINY_LAYOUT.bytes_per_block_layer_kv)
+    with transport_pair(transport) as pair:
+        late, never = DigestWaiter(pair.receiver), DoneWaiter()
+        pair.receiver.expect("req-late-begin", dst_ids, 10.0, late)
+        pair.receiver.expect("req-no-begin", [6], 0.5, never)
+        peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
+        try:
+            for layer in range(TINY_LAYOUT.num_layers):
+                peer.send_frame("req-late-begin", layer, dst_ids, payload, payload)
+                peer.send_frame("req-no-begin", layer, [6], payload[:len(payload) // 2], payload[:len(payload) // 2])
+            error = never.wait(5)
+            assert error is not None and error.reason == "timeout" and "no BEGIN" in error.message, error
+            assert late.calls == [] and pair.receiver.pending() == ["req-late-begin"]
+            peer.send_begin("req-late-begin", dst_ids, digest)
+            assert late.wait(5) is None and late.digests == [digest]
+        finally:
+            peer.close()
+        assert (pair.dst[:, :, dst_ids].contiguous().view(torch.uint8) == 1).all()  # the frames' bytes landed
+
+
+@pytest.mark.parametrize("declared", ["zz" * 32, "ab" * 31, 12345], ids=["not-hex", "too-short", "not-a-string"])
+def test_a_malformed_prompt_digest_fails_the_transfer(transport: str, declared: object) -> None:
+    if transport != "tcp":
+        pytest.skip("BEGIN is sent by hand with the tcp wire protocol; both transports parse it in tcp_receiver.py")
+    with transport_pair(transport) as pair:
+        done = DoneWaiter()
+        pair.receiver.expect("req-bad-digest", [4, 5], 10.0, done)
+        peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
+        try:
+            peer.send_begin("req-bad-digest", [4, 5], declared)
+            error = done.wait(5)
+        finally:
+            peer.close()
+        assert error is not None and error.reason == "invalid_frame" and "prompt digest" in error.message
+
+
+def test_a_second_begin_fails_the_transfer(transport: str) -> None:
+    """A BEGIN could otherwise declare another prompt for blocks already sent."""
+    if transport != "tcp":
+        pytest.skip("BEGIN is sent by hand with the tcp wire protocol; both transports parse it in tcp_receiver.py")
+    with transport_pair(transport) as pair:
+        done = DoneWaiter()
+        pair.receiver.expect("req-twice", [4, 5], 10.0, done)
+        peer = RawTcpPeer(pair.receiver.address, TINY_LAYOUT)
+        try:
+            peer.send_begin("req-twice", [4, 5], wire.prompt_digest([1, 2, 3]))
+            peer.send_begin("req-twice", [4, 5], wire.prompt_digest([3, 2, 1]))
+            error = done.wait(5)
+        finally:
+            peer.close()
+        assert error is not None and error.reason == "invalid_frame" and "twice" in error.message
 
 
 @pytest.mark.integration

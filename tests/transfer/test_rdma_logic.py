@@ -232,6 +232,21 @@ def test_a_piece_that_changed_in_flight_fails_its_digest_without_fencing() -> No
         assert pair.sender.connect(pair.receiver.address) is conn  # FINISH came after the WRITEs: no fence
 
 
+def test_a_finish_before_begin_fails_the_transfer() -> None:
+    """BEGIN names the blocks and the prompt their KV was computed from (the decode worker checks that
+    prompt): a FINISH whose transfer was never begun must not complete it. A real sender cannot send one
+    (it WRITEs only after BEGIN was answered), so the receiver's handler is called directly."""
+    with transport_pair(RDMA_LOOPBACK) as pair:
+        receiver: Any = pair.receiver
+        done = DoneWaiter()
+        receiver.expect("req-unbegun", [2, 3], 30.0, done)
+        with receiver._lock:
+            reservation = receiver._reservations["req-unbegun"]
+        receiver._on_finish(reservation, {"pieces": []})
+        error = done.wait(5)
+        assert error is not None and error.reason == "invalid_frame" and "before BEGIN" in error.message
+
+
 class PyverbsRDMAError(Exception):
     """Named like pyverbs' own error: the adapter must not let it escape."""
 

@@ -16,6 +16,7 @@ import uuid
 import pytest
 import zmq
 
+from tandem.worker.transfer import wire
 from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, transport_pair
 from tandem.worker.transfer.limits import ReceiverLimits, max_part_bytes
 
@@ -26,7 +27,8 @@ def hello(address: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(f"tcp://{OTHER}:0;{address.removeprefix('tcp://')}")
-    sock.send_multipart([b"H", json.dumps({"protocol": 4, "transport": "tcp", "session": uuid.uuid4().hex,
+    sock.send_multipart([b"H", json.dumps({"protocol": wire.PROTOCOL_VERSION, "transport": "tcp",
+                                           "session": uuid.uuid4().hex,
                                            "layout_hash": TINY_LAYOUT.layout_hash()}).encode()])
     return sock
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 
 import pytest
@@ -113,6 +114,49 @@ def test_hello_checks_name_both_hashes() -> None:
     assert version is not None and version.reason == "version_mismatch"
     assert wire.check_hello(TINY_LAYOUT, "a", "tcp", wire.hello(TINY_LAYOUT, None, "s", "tcp")) is None
     assert wire.check_hello(TINY_LAYOUT, None, "tcp", wire.hello(TINY_LAYOUT, None, "s", "tcp")) is None
+
+
+def test_an_older_sender_is_refused_saying_its_kv_is_not_bound_to_a_prompt() -> None:
+    old = {**wire.hello(TINY_LAYOUT, None, "s", "tcp"), "protocol": wire.PROMPT_DIGEST_SINCE - 1}
+    refusal = wire.check_hello(TINY_LAYOUT, None, "tcp", old)
+    assert refusal is not None and refusal.reason == "version_mismatch"
+    assert "which prompt" in refusal.message and "neither uses nor caches" in refusal.message
+    newer = {**old, "protocol": wire.PROTOCOL_VERSION + 1}
+    refusal = wire.check_hello(TINY_LAYOUT, None, "tcp", newer)
+    assert refusal is not None and "which prompt" not in refusal.message
+
+
+def test_prompt_digest_is_blake2b_of_the_count_and_int64_ids() -> None:
+    """Pinned: prefill and decode workers of different builds must compute the same digest."""
+    tokens = [0, 1, 511, 2**31 - 1, 7]
+    expected = hashlib.blake2b(struct.pack("<Q", 5) + struct.pack("<5q", *tokens), digest_size=32,
+                               person=b"tandem-kv-prompt").digest()
+    assert wire.prompt_digest(tokens) == expected
+    assert wire.prompt_digest(tuple(tokens)) == expected
+    assert len(expected) == wire.PROMPT_DIGEST_BYTES
+
+
+@pytest.mark.parametrize("other", [[1, 2, 3, 4], [1, 2, 4, 3], [1, 2, 3, 4, 0], [], [1, 2, 3, 4 + 2**32]],
+                         ids=["one-token-differs", "swapped", "longer", "empty", "wraps-at-32-bits"])
+def test_prompt_digests_of_different_prompts_differ(other: list[int]) -> None:
+    assert wire.prompt_digest([1, 2, 3, 5]) != wire.prompt_digest(other)
+
+
+@pytest.mark.parametrize("tokens", [[2**63], [-(2**63) - 1], [1.5]], ids=["too-big", "too-small", "not-int"])
+def test_prompt_digest_refuses_what_is_no_token_id(tokens: list[object]) -> None:
+    with pytest.raises(ValueError, match="int64"):
+        wire.prompt_digest(tokens)  # type: ignore[arg-type]
+
+
+def test_begin_carries_the_prompt_digest_as_hex() -> None:
+    digest = wire.prompt_digest([3, 4])
+    assert wire.decode_prompt_digest(wire.encode_prompt_digest(digest)) == digest
+    assert wire.encode_prompt_digest(None) == {} and wire.decode_prompt_digest({}) is None
+    with pytest.raises(ValueError, match="32 bytes"):
+        wire.encode_prompt_digest(digest[:31])
+    for bad in ("zz" * 32, "ab" * 33, 7, ["ab"]):
+        with pytest.raises(ValueError, match="malformed prompt digest"):
+            wire.decode_prompt_digest({"prompt_digest": bad})
 
 
 def test_reservation_tracks_every_layer_kind_and_block() -> None:

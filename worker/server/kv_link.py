@@ -6,7 +6,9 @@ hit, or the partial last block) are sent from the finished request's block list 
 `finish()` waits for the receiver's confirmation.
 
 Decode side (`KVIntake`): a reservation per request id, tied to the receiver's `expect()`;
-its outcome is an asyncio future, so the decode handler can wait for it with a deadline.
+its outcome is an asyncio future, so the decode handler can wait for it with a deadline. A transfer
+that arrived also leaves the prompt digest its sender declared (`Reservation.prompt_digest`): the
+decode handler uses the blocks only for a request whose prompt has that digest (issue 18).
 """
 
 from __future__ import annotations
@@ -42,15 +44,20 @@ class KVShipper:
         self.block_size = block_size
         self._active: dict[str, _Outgoing] = {}
         self._lock = threading.Lock()
+        # Test hook (faults.py swap-kv-blocks): each position gets the KV of the mirrored position, to the right
+        # destination blocks, so the receiver cannot tell; what the router's canary must catch.
+        self.mirror_sources = False
 
     def begin(self, request_id: str, kv_address: str, transfer_id: str, dst_block_ids: list[int],
-              prompt_len: int, deadline_s: float) -> None:
-        """Open the transfer (raises TransferError when the receiver refuses or is unreachable)."""
+              prompt_len: int, deadline_s: float, prompt_digest: bytes | None = None) -> None:
+        """Open the transfer (raises TransferError when the receiver refuses or is unreachable).
+        `prompt_digest`: wire.prompt_digest of the token ids the engine prefills for this request; it
+        goes in BEGIN, and without it the decode worker will not use the KV."""
         needed = math.ceil(prompt_len / self.block_size)
         if len(dst_block_ids) < needed:
             raise ValueError(f"decode reserved {len(dst_block_ids)} blocks, the prompt needs {needed}")
         conn = self.sender.connect(kv_address)
-        transfer = conn.begin(transfer_id, dst_block_ids[:needed], deadline_s)
+        transfer = conn.begin(transfer_id, dst_block_ids[:needed], deadline_s, prompt_digest=prompt_digest)
         with self._lock:
             self._active[request_id] = _Outgoing(transfer, needed, prompt_len,
                                                  [[False] * needed for _ in range(self.num_layers)])
@@ -77,7 +84,10 @@ class KVShipper:
                 j += 1
             run = positions[i:j + 1]
             try:
-                out.transfer.send_layer(layer, [src[p] for p in run], run[0])
+                mirrored = [out.num_blocks - 1 - p for p in run]
+                sources = ([src[q] for q in mirrored] if self.mirror_sources and all(q in src for q in mirrored)
+                           else [src[p] for p in run])
+                out.transfer.send_layer(layer, sources, run[0])
                 for p in run:
                     out.sent[layer][p] = True
             except TransferError as exc:
@@ -123,6 +133,8 @@ class Reservation:
     created: float = field(default_factory=time.monotonic)
     peer: str = ""  # who asked for it; its blocks count against that peer's quota until claimed
     quota_blocks: int = 0
+    # Set with a successful outcome: the prompt digest the sender declared in BEGIN (None: it declared none).
+    prompt_digest: bytes | None = None
 
 
 class PeerQuota:
@@ -179,16 +191,19 @@ class KVIntake:
         loop = asyncio.get_running_loop()
         transfer_id = f"{request_id}.{uuid.uuid4().hex[:8]}"
         fut: asyncio.Future[TransferError | None] = loop.create_future()
+        res = Reservation(request_id, transfer_id, block_ids, fut, peer=peer, quota_blocks=quota_blocks)
 
-        def settle(err: TransferError | None) -> None:
+        def settle(err: TransferError | None, digest: bytes | None) -> None:
             if not fut.done():
+                res.prompt_digest = digest
                 fut.set_result(err)
 
-        def done(_tid: str, err: TransferError | None) -> None:  # receiver I/O thread
-            loop.call_soon_threadsafe(settle, err)
+        def done(tid: str, err: TransferError | None) -> None:  # receiver I/O thread
+            # Read inside on_done, where the receiver is sure to still know it.
+            digest = self.receiver.prompt_digest(tid) if err is None else None
+            loop.call_soon_threadsafe(settle, err, digest)
 
         self.receiver.expect(transfer_id, block_ids, deadline_s, done)
-        res = Reservation(request_id, transfer_id, block_ids, fut, peer=peer, quota_blocks=quota_blocks)
         # Nobody claimed it (router gone?): give the blocks back a little after the transfer deadline.
         res.expiry = loop.call_later(deadline_s + 5.0, self._expire, request_id)
         self.reservations[request_id] = res

@@ -4,7 +4,8 @@ HTTP routing lives in http.py; this module is the behaviour behind each route. R
 - both: /generate (monolithic and chunked modes);
 - prefill: /prefill computes the prompt, ships its KV layer by layer, returns the first token;
 - decode: /kv/reserve sets blocks aside for incoming KV, /decode continues from the first token
-  (or prefills locally when the KV did not arrive), /generate for local work and migration.
+  (or prefills locally when the KV did not arrive, or arrived for another prompt than the one /decode
+  names: the prefill worker's prompt digest travels in the transfer), /generate for local work and migration.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from tandem.worker.server.protocol import (
     WorkerInfo,
 )
 from tandem.worker.server.telemetry import Telemetry
-from tandem.worker.transfer.errors import ABANDONED, TIMEOUT
+from tandem.worker.transfer.errors import ABANDONED, PROMPT_MISMATCH, TIMEOUT
+from tandem.worker.transfer.wire import prompt_digest
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +172,7 @@ class WorkerServer:
                                        keys=cfg.keys, silence_timeout_s=cfg.kv_wait_timeout)
             self.transport = str(self._sender.transport)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
+            self.shipper.mirror_sources = cfg.fault == "swap-kv-blocks"  # a test hook (faults.py)
             engine.set_layer_callback(self.shipper.on_layer)
             direction = "send"
         # Every failure reason (and the byte/latency series) at 0, so dashboards see 0 rather than no data.
@@ -401,6 +404,7 @@ class WorkerServer:
         res = self.intake.claim(req.request_id)
         error: str | None = None if res is not None else "no reservation for this request here"
         given_up: str | None = None  # failure reason when this side abandons a transfer still pending
+        unbound = False  # the KV arrived but is not the KV of this request's prompt
         if res is not None and req.kv_ready:
             try:
                 outcome = await asyncio.wait_for(asyncio.shield(res.outcome),
@@ -408,6 +412,13 @@ class WorkerServer:
                 error = None if outcome is None else str(outcome)
             except TimeoutError:
                 error, given_up = "the KV did not arrive in time", TIMEOUT
+            if error is None:
+                try:
+                    error = self._unbound_kv(req.prompt_token_ids, res.prompt_digest)
+                except ValueError as exc:
+                    self.intake.drop(res)
+                    raise Rejected(400, str(exc)) from None
+                unbound = error is not None
         elif res is not None:
             error, given_up = "the prefill worker could not ship the KV", ABANDONED
         if error is None and res is not None:
@@ -436,12 +447,32 @@ class WorkerServer:
                 # Counted in tandem_kv_transfer_failures_total unless the receiver already
                 # reported this transfer's outcome (then it was counted there).
                 self._receiver.cancel(res.transfer_id, reason=given_up)
-            self.intake.drop(res)
+            if unbound and self.transfer_telemetry is not None:
+                self.transfer_telemetry.failed(self.transport, PROMPT_MISMATCH)
+            self.intake.drop(res)  # the blocks go back to the pool unregistered: never in the prefix cache
         self.telemetry.inc(m.FALLBACK_PREFILLS)
         sub = await self._add(loop, req.request_id, [*req.prompt_token_ids, req.first_token_id], req.sampling,
                               sampled_before=1, max_tokens=req.sampling.max_tokens - 1)
         return self._pump(loop, req.request_id, sub, deadline,
                           StreamChunk(num_prompt_tokens=len(req.prompt_token_ids), fallback=True))
+
+    @staticmethod
+    def _unbound_kv(prompt: list[int], declared: bytes | None) -> str | None:
+        """Why KV that arrived must not be used (nor cached) for `prompt`, or None when it may.
+
+        The prefill worker declared in the transfer's BEGIN the digest of the tokens it computed this KV
+        from; the caller of /decode names the prompt. Different digests mean the blocks hold another
+        prompt's KV: decoding on them gives a wrong answer, and registering them in the prefix cache
+        under this prompt's tokens would hand them to every later request that shares the prefix."""
+        if declared is None:
+            return ("the KV that arrived carries no prompt digest (its sender did not say which prompt it was "
+                    "computed from): it is neither used nor cached")
+        mine = prompt_digest(prompt)  # ValueError: ids no prompt has (the caller answers 400)
+        if mine == declared:
+            return None
+        return (f"the KV that arrived was computed for another prompt: the prefill worker's prompt digest "
+                f"{declared.hex()[:16]}... is not the digest {mine.hex()[:16]}... of this request's "
+                f"{len(prompt)} prompt tokens; it is neither used nor cached")
 
     async def prefill(self, req: PrefillRequest,
                       caller_gone: Callable[[], Awaitable[bool]] | None = None) -> PrefillResponse:
@@ -463,8 +494,11 @@ class WorkerServer:
             else:
                 assert self.shipper is not None
                 try:
+                    # Bound to what the engine prefills: the digest of the very token ids it is given below.
+                    digest = prompt_digest(req.prompt_token_ids)
                     await asyncio.to_thread(self.shipper.begin, rid, req.target.kv_address, req.target.transfer_id,
-                                            req.target.block_ids, len(req.prompt_token_ids), req.deadline_s)
+                                            req.target.block_ids, len(req.prompt_token_ids), req.deadline_s,
+                                            digest)
                     shipping = True
                 except Exception as exc:
                     ship_error = f"cannot start the KV transfer: {exc}"

@@ -14,13 +14,17 @@ Decode side (owns the destination blocks):
         # Runs on the receiver's I/O thread: keep it short (hand off to the engine loop).
     recv.cancel(transfer_id, reason=None) -> bool  # drop a reservation yourself (no callback); with a
         # reason ("abandoned", "timeout") a still-pending transfer also counts as failed
+    recv.prompt_digest(transfer_id) -> bytes | None  # what the sender's BEGIN declared its KV was computed
+        # from (wire.prompt_digest); known inside on_done. Compare it with your own prompt's before you
+        # use or cache the blocks: the transport does not judge it.
     recv.close()                      # pending reservations get on_done(..., TransferError("closed"))
 
 Prefill side (owns the source blocks):
 
     sender = make_sender("auto", layout, kv_cache, layout_tag=None, telemetry=telemetry)
     conn = sender.connect(recv_address)   # handshake; TransferError("layout_mismatch"|"connect_failed")
-    t = conn.begin(transfer_id, dst_block_ids, deadline_s)   # dst ids: the decode's reservation
+    t = conn.begin(transfer_id, dst_block_ids, deadline_s, prompt_digest=wire.prompt_digest(prompt))
+        # dst ids: the decode's reservation; prompt_digest: which token ids this KV is computed from
     t.send_layer(layer, src_block_ids, dst_start=0)  # as each layer is computed (pipelining);
         # src_block_ids[i] -> dst_block_ids[dst_start + i]; call it per layer, or per chunk.
         # Source blocks of a CPU cache go out zero-copy: keep them unchanged until finish()

@@ -227,6 +227,13 @@ class RawTcpPeer:
             raise TimeoutError("no reply from the receiver")
         return self.sock.recv_multipart()
 
+    def send_begin(self, transfer_id: str, dst_ids: list[int], prompt_digest: object = None) -> None:
+        """Send BEGIN; `prompt_digest` goes on the wire as given (bytes as hex; a str as is, even a malformed one)."""
+        body: dict[str, Any] = {"transfer_id": transfer_id, "dst_block_ids": dst_ids}
+        if prompt_digest is not None:
+            body["prompt_digest"] = prompt_digest.hex() if isinstance(prompt_digest, bytes) else prompt_digest
+        self.sock.send_multipart(wire.encode_control(wire.BEGIN, body))
+
     def send_frame(self, transfer_id: str, layer: int, dst_ids: list[int], k_payload: bytes, v_payload: bytes,
                    flip_byte: int | None = None, kind: int = wire.KV) -> None:
         """Send one data frame; with flip_byte, that V-payload byte is flipped after the digest is taken."""

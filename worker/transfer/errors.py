@@ -21,10 +21,13 @@ ABORTED = "aborted"  # one side gave up on purpose (abort() or cancel())
 ABANDONED = "abandoned"  # the receiver gave up on a transfer its sender never started or finished
 CLOSED = "closed"  # the sender or receiver was closed
 UNAVAILABLE = "unavailable"  # the transport cannot run here (no pyverbs, no RDMA device)
+# The decode worker's, after a transfer arrived: the prompt digest its sender declared in BEGIN is not the
+# digest of the decode request's prompt (or it declared none). The blocks are neither used nor cached.
+PROMPT_MISMATCH = "prompt_mismatch"
 
 REASONS = frozenset({
     LAYOUT_MISMATCH, VERSION_MISMATCH, CONNECT_FAILED, AUTH_FAILED, PEER_LOST, TIMEOUT, CORRUPT_FRAME,
-    INVALID_FRAME, UNKNOWN_TRANSFER, INCOMPLETE, ABORTED, ABANDONED, CLOSED, UNAVAILABLE,
+    INVALID_FRAME, UNKNOWN_TRANSFER, INCOMPLETE, ABORTED, ABANDONED, CLOSED, UNAVAILABLE, PROMPT_MISMATCH,
 })
 
 

@@ -52,6 +52,7 @@ from .errors import (
     CLOSED,
     CORRUPT_FRAME,
     INCOMPLETE,
+    INVALID_FRAME,
     PEER_LOST,
     TIMEOUT,
     UNAVAILABLE,
@@ -228,6 +229,10 @@ class RdmaReceiver(TcpReceiver):
                                                  "message": f"this rdma connection was fenced ({why}); reconnect"})
 
     def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
+        if not reservation.begin_seen:  # a sender WRITEs only after BEGIN was answered; BEGIN names the prompt
+            self._fail(reservation, TransferError(INVALID_FRAME, "FINISH before BEGIN", reservation.transfer_id),
+                       None)
+            return
         pieces = msg.get("pieces")
         if not isinstance(pieces, list):
             self._fail(reservation, TransferError(INCOMPLETE, "FINISH without piece digests",

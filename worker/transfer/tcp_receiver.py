@@ -119,6 +119,7 @@ class TcpReceiver:
         self._lock = threading.Lock()  # guards _reservations; held while a frame is written
         self._reservations: dict[str, Reservation] = {}
         self._outcomes: OrderedDict[str, TransferError | None] = OrderedDict()
+        self._digests: OrderedDict[str, bytes | None] = OrderedDict()  # prompt digests of completed transfers
         self._sessions: dict[str, _Session] = {}
         self._identity_session: dict[bytes, str] = {}
         # Connection bookkeeping of the I/O thread, fed by the monitor (see the module docstring):
@@ -189,6 +190,17 @@ class TcpReceiver:
     def pending(self) -> list[str]:
         with self._lock:
             return list(self._reservations)
+
+    def prompt_digest(self, transfer_id: str) -> bytes | None:
+        """The prompt digest the sender declared in this transfer's BEGIN (wire.prompt_digest of the token
+        ids its KV was computed from), or None if it declared none. Known while the transfer is pending,
+        inside its on_done, and afterwards for the last few thousand completed transfers. The receiver
+        does not judge it: the blocks' owner compares it with the prompt it means to use them for."""
+        with self._lock:
+            reservation = self._reservations.get(transfer_id)
+            if reservation is not None:
+                return reservation.prompt_digest
+            return self._digests.get(transfer_id)
 
     def close(self) -> None:
         with self._lock:
@@ -491,7 +503,20 @@ class TcpReceiver:
                 self._fail(reservation, TransferError(INVALID_FRAME, "the sender's destination blocks differ "
                                                       "from the receiver's reservation", transfer_id), reply_to)
                 return
+            if reservation.begin_seen:  # a second BEGIN could declare another prompt for blocks already sent
+                self._fail(reservation, TransferError(INVALID_FRAME, "BEGIN sent twice for this transfer",
+                                                      transfer_id), reply_to)
+                return
+            try:
+                digest = wire.decode_prompt_digest(msg)
+            except ValueError as exc:
+                self._fail(reservation, TransferError(INVALID_FRAME, str(exc), transfer_id), reply_to)
+                return
             reservation.claim(session_id)
+            with self._lock:
+                reservation.begin_seen, reservation.prompt_digest = True, digest
+            if reservation.complete:  # every frame overtook this BEGIN (frames use every stream, BEGIN the first)
+                self._complete(reservation)
         elif kind == wire.FINISH:
             self._on_finish(reservation, msg)
         else:
@@ -550,7 +575,7 @@ class TcpReceiver:
             return
         if header.flags & wire.ACK_ME:
             self._send(self._control_identity(identity), [wire.ACK, raw_id, _SEQ.pack(header.seq)])
-        if reservation.complete:
+        if reservation.complete and reservation.begin_seen:  # else its BEGIN (with the prompt digest) completes it
             self._complete(reservation)
 
     def _control_identity(self, identity: bytes) -> bytes:
@@ -578,6 +603,9 @@ class TcpReceiver:
             if self._reservations.pop(reservation.transfer_id, None) is None:
                 return
             self._remember(reservation.transfer_id, None)
+            self._digests[reservation.transfer_id] = reservation.prompt_digest  # for prompt_digest() in on_done
+            while len(self._digests) > _RECENT_OUTCOMES:
+                self._digests.popitem(last=False)
         seconds = time.monotonic() - (reservation.begun_at or time.monotonic())
         session = self._sessions.get(reservation.session or "")
         if session is not None and reservation.finish_requested:  # first: the sender is waiting for it
@@ -619,10 +647,13 @@ class TcpReceiver:
         with self._lock:
             expired = [r for r in self._reservations.values() if r.expired(now)]
         for reservation in expired:
-            self._fail(reservation, TransferError(
-                TIMEOUT, f"deadline passed with {reservation.missing} of "
-                f"{len(reservation.block_ids) * 2 * self.layout.num_layers} (layer, K/V, block) pieces missing",
-                reservation.transfer_id), None)
+            total = len(reservation.block_ids) * 2 * self.layout.num_layers
+            what = f"{reservation.missing} of {total} (layer, K/V, block) pieces missing"
+            if not reservation.begin_seen:  # the BEGIN names the blocks and the prompt the KV was computed from
+                what = (f"{what}, and no BEGIN" if reservation.missing else
+                        f"all {total} (layer, K/V, block) pieces received but no BEGIN")
+            self._fail(reservation, TransferError(TIMEOUT, f"deadline passed with {what}", reservation.transfer_id),
+                       None)
 
     def _peer_closed(self, fd: int, epoch: int) -> None:
         """The connection of `epoch` on `fd` closed: end the sessions bound to it (not a newer one's)."""

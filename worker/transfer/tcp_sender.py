@@ -328,11 +328,18 @@ class TcpConnection:
 
     # --- transfers -------------------------------------------------------------------------
 
-    def begin(self, transfer_id: str, dst_block_ids: list[int], deadline_s: float) -> OutgoingTransfer:
-        """Start a transfer into the receiver's reserved `dst_block_ids` (as passed to its expect())."""
+    def begin(self, transfer_id: str, dst_block_ids: list[int], deadline_s: float,
+              prompt_digest: bytes | None = None) -> OutgoingTransfer:
+        """Start a transfer into the receiver's reserved `dst_block_ids` (as passed to its expect()).
+
+        `prompt_digest` (wire.prompt_digest of the token ids this KV is computed from) travels in BEGIN;
+        the receiver hands it to its owner (`prompt_digest()`), who decides whether the blocks fit its
+        request. Without one, a decode worker neither uses nor caches the blocks.
+        """
         encode_transfer_id(transfer_id)
         deadline = time.monotonic() + check_deadline(deadline_s)
         dst = validate_block_ids(dst_block_ids, self.remote_blocks, f"begin({transfer_id!r})")
+        declared = wire.encode_prompt_digest(prompt_digest)
         transfer = OutgoingTransfer(self, transfer_id, dst, deadline)
         with self.cv:
             if self._broken is not None or self._closing:
@@ -344,7 +351,8 @@ class TcpConnection:
                 self._wakeup.set()  # the I/O thread enforces it even while nobody waits on this transfer
         # Not waited for: a refusal (say, blocks that differ from the reservation) fails the
         # transfer asynchronously and surfaces at the next send_layer() or finish().
-        self.send(transfer, wire.encode_control(wire.BEGIN, {"transfer_id": transfer_id, "dst_block_ids": dst}), 0)
+        self.send(transfer, wire.encode_control(wire.BEGIN, {"transfer_id": transfer_id, "dst_block_ids": dst,
+                                                             **declared}), 0)
         return transfer
 
     def reserve_frame(self, transfer: OutgoingTransfer, nbytes: int) -> tuple[int, int]:

@@ -49,6 +49,8 @@ class Reservation:
     on_done: DoneCallback
     session: str | None = None  # the sender session that began it
     begun_at: float | None = None
+    begin_seen: bool = False  # its BEGIN arrived (a transfer completes only after it: it names the prompt)
+    prompt_digest: bytes | None = None  # what BEGIN declared (wire.prompt_digest of the sender's prompt)
     finish_requested: bool = False
     bytes_received: int = 0
     # Plain Python bookkeeping: a frame names tens of blocks, where torch's per-call overhead

@@ -1,4 +1,4 @@
-"""Wire format of the KV transfer: message kinds, the handshake, and data-frame headers.
+"""Wire format of the KV transfer: message kinds, the handshake, data-frame headers, prompt digests.
 
 Every zmq message starts with a one-byte kind. Control messages carry one JSON part.
 A data frame (tcp) is six parts: kind, header, transfer id, destination block ids
@@ -10,12 +10,21 @@ transfer id, block ids and every payload part, each length-prefixed. Any flipped
 truncation or reordered row is caught before anything touches the cache. XXH3 runs at about
 30 GB/s per core here (native, and it releases the GIL), where CRC32 of the payload costs about
 as much CPU as the TCP copy itself (see docs/transfer.md).
+
+BEGIN carries the prompt digest (`prompt_digest()`: BLAKE2b-256 of the token ids the sender's KV was
+computed from). The receiver only records it; the decode worker compares it with its request's prompt
+before it uses the blocks or registers them in its prefix cache (issue 18: the caller of /decode names
+the prompt, and must not be able to file one prompt's KV under another's tokens).
 """
 
 from __future__ import annotations
 
+import array
+import hashlib
 import json
 import struct
+import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -25,7 +34,11 @@ from tandem.worker.kv.layout import KVLayout
 
 from .errors import LAYOUT_MISMATCH, VERSION_MISMATCH, TransferError
 
-PROTOCOL_VERSION = 4  # 4: rdma receivers answer BEGIN with a "begun" ACK (seq 2**64-1) before WRITEs; 3: acknowledgements only on request (header flags); 2: XXH3-128 digest; 1: CRC32
+# 5: BEGIN carries the prompt digest, and a transfer completes only once its BEGIN arrived; 4: rdma receivers
+# answer BEGIN with a "begun" ACK (seq 2**64-1) before WRITEs; 3: acknowledgements only on request (header
+# flags); 2: XXH3-128 digest; 1: CRC32
+PROTOCOL_VERSION = 5
+PROMPT_DIGEST_SINCE = 5  # senders older than this bind no prompt to their KV: refused at the handshake
 
 # Message kinds (first part of every message).
 HELLO = b"H"  # sender -> receiver: versions, layout hash, session id
@@ -79,8 +92,12 @@ def check_hello(layout: KVLayout, layout_tag: str | None, transport: str,
     """Return why the receiver must refuse this peer's HELLO, or None to accept it."""
     version = peer.get("protocol")
     if version != PROTOCOL_VERSION:
+        older = isinstance(version, int) and not isinstance(version, bool) and version < PROMPT_DIGEST_SINCE
+        why = (f" (a sender before version {PROMPT_DIGEST_SINCE} does not say which prompt its KV was computed "
+               "from, so this receiver neither uses nor caches KV from it: decode prefills locally until both "
+               "sides are upgraded)") if older else ""
         return TransferError(VERSION_MISMATCH, f"KV transfer protocol mismatch: this receiver speaks "
-                             f"version {PROTOCOL_VERSION}, the sender speaks version {version}")
+                             f"version {PROTOCOL_VERSION}, the sender speaks version {version}{why}")
     if peer.get("transport") != transport:
         return TransferError(VERSION_MISMATCH, f"transport mismatch: this receiver is {transport}, "
                              f"the sender is {peer.get('transport')}")
@@ -104,6 +121,53 @@ def _describe_dict(fields: object) -> str:
     if not isinstance(fields, dict):
         return "layout not sent"
     return ", ".join(f"{key}={value}" for key, value in sorted(fields.items()))
+
+
+# --- prompt digests ------------------------------------------------------------------------
+
+PROMPT_DIGEST_BYTES = 32
+_PROMPT_PERSON = b"tandem-kv-prompt"  # BLAKE2b personalisation: these digests mean nothing elsewhere
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """BLAKE2b-256 of a prompt's token ids: the count (8 bytes) then each id as a little-endian int64.
+
+    Cryptographic on purpose: the tokens are chosen by callers, and with a weak hash one could pick a
+    prompt B whose digest equals prompt A's and so have A's KV filed under B's tokens. Raises ValueError
+    for ids that are not integers within int64 (no valid prompt has them).
+    """
+    try:
+        ids = array.array("q", token_ids)
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"prompt token ids must be integers within int64: {exc}") from None
+    if sys.byteorder != "little":
+        ids.byteswap()
+    state = hashlib.blake2b(digest_size=PROMPT_DIGEST_BYTES, person=_PROMPT_PERSON)
+    state.update(struct.pack("<Q", len(ids)))
+    state.update(ids.tobytes())
+    return state.digest()
+
+
+def encode_prompt_digest(digest: bytes | None) -> dict[str, Any]:
+    """BEGIN's prompt_digest field (hex), or nothing when the sender binds no prompt."""
+    if digest is None:
+        return {}
+    if not isinstance(digest, bytes) or len(digest) != PROMPT_DIGEST_BYTES:
+        raise ValueError(f"prompt_digest must be {PROMPT_DIGEST_BYTES} bytes (wire.prompt_digest()), got {digest!r}")
+    return {"prompt_digest": digest.hex()}
+
+
+def decode_prompt_digest(msg: dict[str, Any]) -> bytes | None:
+    """The prompt digest a BEGIN carries (None when it carries none); a malformed one raises ValueError."""
+    value = msg.get("prompt_digest")
+    if value is None:
+        return None
+    if not isinstance(value, str) or len(value) != 2 * PROMPT_DIGEST_BYTES:
+        raise ValueError(f"malformed prompt digest in BEGIN: expected {2 * PROMPT_DIGEST_BYTES} hex digits")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError("malformed prompt digest in BEGIN: not hex") from None
 
 
 # --- data frames ---------------------------------------------------------------------------
