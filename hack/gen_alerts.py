@@ -171,6 +171,22 @@ def worker_alerts() -> list[Rule]:
     ]
 
 
+def canary_alerts() -> list[Rule]:
+    group = cfg.by(cfg.MODEL_GROUPING)
+    mismatches = cfg.series(m.ROUTER_CANARY_PROBES, matchers=[cfg.eq("result", "mismatch")])
+    expr = f"sum {group} (increase({mismatches}[{cfg.CANARY_WINDOW}])) >= {cfg.CANARY_MISMATCHES}"
+    return [_alert(
+        "TandemOutputMismatch", expr, "0m",
+        {"severity": "critical", "tier": "decode"},
+        "Disaggregated output of {{ $labels.model }} differs from local output.",
+        "The router's canary of model {{ $labels.model }} in {{ $labels.namespace }} got different greedy tokens "
+        "from the disaggregated path than from a local prefill on the same decode worker "
+        f"{{{{ $value | printf \"%.0f\" }}}} times in the last {cfg.CANARY_WINDOW}: users get wrong answers with no "
+        "error. Check that the prefill and decode pools run the same model, dtype and block size, and the "
+        "routers' logs (they name the worker pair).",
+    )]
+
+
 def build_rule_groups() -> dict[str, Any]:
     return {"groups": [
         {"name": "tandem-slo.rules", "rules": slo_recording_rules()},
@@ -178,6 +194,7 @@ def build_rule_groups() -> dict[str, Any]:
         {"name": "tandem-kv-transfer.alerts", "rules": kv_transfer_alerts()},
         {"name": "tandem-autoscaler.alerts", "rules": autoscaler_alerts()},
         {"name": "tandem-workers.alerts", "rules": worker_alerts()},
+        {"name": "tandem-canary.alerts", "rules": canary_alerts()},
     ]}
 
 

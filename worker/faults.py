@@ -14,7 +14,10 @@ from collections.abc import Mapping
 
 ENV = "TANDEM_ENABLE_FAULTS"
 FLAG = "--fault"  # `tandem worker`'s hidden option
-FAULTS = ("drop-kv",)  # drop-kv: a prefill worker computes the prompt but never ships its KV
+# drop-kv: a prefill worker computes the prompt but never ships its KV. swap-kv-blocks: it ships the prompt's
+# blocks in reverse order into the right destination blocks, so decode reads wrong KV without any error (what
+# the router's canary must catch).
+FAULTS = ("drop-kv", "swap-kv-blocks")
 
 
 def enabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -119,6 +119,11 @@ ROUTER_OVERLOADED = MetricDef(f"{PREFIX}_router_overloaded_requests", "counter",
                               labels=(*COMMON_LABELS, LABEL_REASON))
 ROUTER_ACTIVE_REQUESTS = MetricDef(f"{PREFIX}_router_active_requests", "gauge",
                                    "Requests holding one of the router's running slots (--max-concurrent-requests).")
+ROUTER_CANARY_PROBES = MetricDef(
+    f"{PREFIX}_router_canary_probes", "counter",
+    "The router's output canary (router/canary.py): one greedy probe prefilled locally and disaggregated on the "
+    "same decode worker, by result (match|mismatch|skipped|error). A mismatch means wrong output without an error.",
+    labels=(*COMMON_LABELS, "result"))
 ROUTER_QUEUED_REQUESTS = MetricDef(f"{PREFIX}_router_queued_requests", "gauge",
                                    "Admitted requests not yet holding a running slot: reading their body, being "
                                    "tokenized or waiting (--max-queued-requests).")

@@ -11,6 +11,7 @@ import click
 
 from tandem.worker.commands.control import control_options, resolve
 from tandem.worker.router.auth import ApiKeys
+from tandem.worker.router.canary import DEFAULT_INTERVAL_S as DEFAULT_CANARY_INTERVAL_S
 from tandem.worker.router.discovery import Discovery, FileDiscovery, KubernetesDiscovery, StaticDiscovery
 from tandem.worker.router.limits import (
     DEFAULT_BODY_TIMEOUT_S,
@@ -70,6 +71,10 @@ from tandem.worker.router.limits import (
 @click.option("--body-timeout", type=click.FloatRange(min=0.1), default=DEFAULT_BODY_TIMEOUT_S, show_default=True,
               help="A request's whole body must arrive within this many seconds of its headers, or 408 and the "
               "connection is closed.")
+@click.option("--canary-interval", type=click.FloatRange(min=0), default=DEFAULT_CANARY_INTERVAL_S, show_default=True,
+              help="Seconds between output canary probes: one small greedy request prefilled locally and "
+              "disaggregated on the same decode worker, which must give the same tokens "
+              "(tandem_router_canary_probes_total); 0 turns it off.")
 @click.option("--log-level", default="info", show_default=True)
 @control_options
 def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
@@ -78,7 +83,8 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
             stall_timeout: float, max_request_bytes: int, chat_template: Path | None, drain_timeout: float,
             api_keys: tuple[str, ...], api_key_file: Path | None, ssl_certfile: Path | None,
             ssl_keyfile: Path | None, max_concurrent_requests: int, max_queued_requests: int, queue_timeout: float,
-            header_timeout: float, body_timeout: float, log_level: str, control_token_file: Path | None,
+            header_timeout: float, body_timeout: float, canary_interval: float, log_level: str,
+            control_token_file: Path | None,
             insecure_control_api: bool) -> None:
     """Serve /v1/* by placing requests on prefill and decode workers."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s router:{port} %(levelname)s %(name)s: %(message)s")
@@ -118,7 +124,8 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
                        max_request_bytes=max_request_bytes, control=control,
                        chat_template=chat_template.read_text() if chat_template is not None else None,
                        api_keys=keys, max_concurrent_requests=max_concurrent_requests,
-                       max_queued_requests=max_queued_requests, queue_timeout=queue_timeout)
+                       max_queued_requests=max_queued_requests, queue_timeout=queue_timeout,
+                       canary_interval=canary_interval)
     logging.getLogger(__name__).info(
         "serving %s on %s:%d; API keys %s", "HTTPS" if ssl_certfile else "HTTP", host, port,
         "required" if keys.enabled else "off (anyone who reaches this port can use it)")

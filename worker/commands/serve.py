@@ -99,6 +99,8 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
                    "separated by spaces). The router gets it through its environment, not its command line.")
 @click.option("--api-key-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               help="A file of API keys, one a line; the router re-reads it when it changes.")
+@click.option("--canary-interval", type=click.FloatRange(min=0), default=None,
+              help="Seconds between the router's output canary probes (default 60; 0: off). See `tandem router --help`.")
 # A test hook (faults.py): refused unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
 @click.option("--prefill-fault", type=click.Choice(faults.FAULTS), default=None, hidden=True)
 @refuse_unsupported_vllm_flags
@@ -108,7 +110,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
             max_num_seqs: int | None, max_num_batched_tokens: int | None, seed: int | None, chat_template: Path | None,
             log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
-            prefill_fault: str | None, api_keys: tuple[str, ...], api_key_file: Path | None) -> None:
+            canary_interval: float | None, prefill_fault: str | None, api_keys: tuple[str, ...],
+            api_key_file: Path | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
@@ -131,7 +134,8 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, max_num_seqs=max_num_seqs,
                          max_num_batched_tokens=max_num_batched_tokens, seed=seed, chat_template=chat_template, log_dir=log_dir, prefill_fault=prefill_fault,
                          request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys,
-                         api_keys=tuple(k for value in api_keys for k in value.split()), api_key_file=api_key_file)
+                         api_keys=tuple(k for value in api_keys for k in value.split()), api_key_file=api_key_file,
+                         canary_interval=canary_interval)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):

@@ -180,6 +180,45 @@ class Dispatcher:
                 stream = self._generate_stream(decode, f"{request_id}-m{migrations}", prompt + generated, rest,
                                                deadline, sampled_before=len(generated))
 
+    async def compare_paths(self, request_id: str, prompt: list[int], sampling: Sampling, deadline: float
+                            ) -> tuple[str, str, list[int], list[int]] | None:
+        """The canary's probe (canary.py): (decode url, prefill url, tokens of a local prefill on that decode
+        worker, tokens when a prefill worker shipped it the KV). None when there was nothing to compare: no
+        usable decode worker with a prefill worker of its layout, or the KV did not arrive."""
+        decode = self._pick_decode(set())
+        if decode is None or decode.role != "decode" or decode.info is None:
+            return None
+        layout = decode.info.layout_hash
+        if not any(w.info is not None and w.info.layout_hash == layout for w in self.registry.usable(("prefill",))):
+            return None
+        local = await self._collect(self._generate_stream(decode, f"{request_id}-local", prompt, sampling, deadline))
+        try:
+            first = await self._disaggregated_start(f"{request_id}-pd", prompt, sampling, decode, deadline)
+        except WorkerLost as exc:
+            raise errors.unavailable(f"a worker was lost during the probe: {exc}") from None
+        if first is None:
+            return None
+        event, used, kv_ready = first
+        shipped = list(event.token_ids)
+        if event.finish_reason is None:
+            body = DecodeRequest(request_id=f"{request_id}-pd", prompt_token_ids=prompt, first_token_id=shipped[0],
+                                 sampling=sampling, kv_ready=kv_ready, deadline_s=_left(deadline))
+            shipped += await self._collect(self._stream(used, "/decode", body, deadline))
+        prefill = self.affinity.get(prefix_key(prompt, self.block_size)) or "?"
+        if not kv_ready or used.url != decode.url:  # decoded from its own prefill, or on another worker
+            return None
+        return decode.url, prefill, local, shipped
+
+    async def _collect(self, stream: AsyncGenerator[TokenEvent, None]) -> list[int]:
+        tokens: list[int] = []
+        try:
+            async with contextlib.aclosing(stream):
+                async for event in stream:
+                    tokens += event.token_ids
+        except WorkerLost as exc:
+            raise errors.unavailable(f"a worker was lost during the probe: {exc}") from None
+        return tokens
+
     # --- placement ---
     def _pick_decode(self, lost: Mapping[str, float] | set[str]) -> WorkerState | None:
         """The best usable decode worker this request has not lost. When it lost every usable one, one

@@ -19,12 +19,14 @@ from tandem.worker.server.telemetry import Telemetry
 
 ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS,
                   m.CONTROL_AUTH_FAILURES,
-                  m.ROUTER_AUTH_FAILURES, m.ROUTER_OVERLOADED, m.ROUTER_ACTIVE_REQUESTS, m.ROUTER_QUEUED_REQUESTS)
+                  m.ROUTER_AUTH_FAILURES, m.ROUTER_OVERLOADED, m.ROUTER_ACTIVE_REQUESTS, m.ROUTER_QUEUED_REQUESTS,
+                  m.ROUTER_CANARY_PROBES)
 # tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
 # or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
 FINISH_REASONS = ("stop", "length", "error")
 AUTH_FAILURE_REASONS = ("missing", "invalid")  # tandem_router_auth_failures_total (auth.ApiKeyMiddleware)
 OVERLOAD_REASONS = ("queue_full", "queue_timeout")  # tandem_router_overloaded_requests_total (limits)
+CANARY_RESULTS = ("match", "mismatch", "skipped", "error")  # tandem_router_canary_probes_total (canary.py)
 
 
 class RouterTelemetry:
@@ -46,6 +48,8 @@ class RouterTelemetry:
         for d, reasons in ((m.ROUTER_AUTH_FAILURES, AUTH_FAILURE_REASONS), (m.ROUTER_OVERLOADED, OVERLOAD_REASONS)):
             for reason in reasons:
                 t.initialise(d, reason=reason)
+        for result in CANARY_RESULTS:
+            t.initialise(m.ROUTER_CANARY_PROBES, result=result)
         for (d, extra), amount in self._early_counts.items():
             t.inc(d, amount, **dict(extra))
         self._early_counts.clear()

@@ -83,6 +83,7 @@ class StackSpec:
     kv_keys: Path | None = None  # secure KV transfer: the keypair folder every worker gets (--kv-keys)
     api_keys: tuple[str, ...] = ()  # the router's API keys: in its environment (TANDEM_API_KEY), not its argv
     api_key_file: Path | None = None  # the router's --api-key-file
+    canary_interval: float | None = None  # the router's --canary-interval (None: its default)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -158,6 +159,8 @@ class LocalStack:
             argv += ["--prefill" if p.role == "prefill" else "--decode", p.url]
         if s.api_key_file is not None:
             argv += ["--api-key-file", str(s.api_key_file)]
+        if s.canary_interval is not None:
+            argv += ["--canary-interval", str(s.canary_interval)]
         env = {"TANDEM_API_KEY": " ".join(s.api_keys)} if s.api_keys else {}
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log", env=env))
 
