@@ -146,9 +146,9 @@ RECONCILE_ERROR_RATIO = 0.1
 RECONCILE_ERRORS_FOR = "15m"
 # The router's output canary (worker/router/canary.py, one probe a minute by default): two mismatches in this
 # window. One could be a near-tie flipped by a different batch shape on a GPU; a wrong KV path mismatches
-# on every probe.
-CANARY_WINDOW = "30m"
-CANARY_MISMATCHES = 2
+# on every probe. Defined in tandem.worker.metrics: the operator's OutputVerified condition uses the same.
+CANARY_WINDOW = m.CANARY_MISMATCH_WINDOW
+CANARY_MISMATCHES = m.CANARY_MISMATCH_THRESHOLD
 # Each alert links to its section in docs/alerts.md (a path in this repository).
 RUNBOOK_BASE = "docs/alerts.md"
 

@@ -9,6 +9,10 @@ signal, scaleReason, lastScaleTime and autoscalerState (the policy's memory: rec
 windows, last scale time, capacity cap; kept there so an operator restart keeps them), and the
 ScalingActive / ScalingLimited conditions. It also posts the tick's Events and sets the
 operator's autoscaler metrics.
+
+The same timer runs `verify_output` for every resource, autoscaled or not: the OutputVerified
+condition from the routers' output canary (tandem.operator.output_check), read from the same
+Prometheus client.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.operator import builders, conditions, pool_scale
+from tandem.operator import builders, conditions, output_check, pool_scale
 from tandem.operator import signals as sig
 from tandem.operator.api import API_VERSION, KIND, POOLS
 from tandem.operator.autoscaler_timer import (
@@ -104,3 +108,39 @@ def autoscale_resource(kube: Kube, namespace: str, name: str, signals: sig.Signa
     metrics.record(namespace, name, result)
     changed = any(result.desired[p] != desired_replicas(spec, old_status, p) for p in POOLS if p in result.desired)
     return AutoscaleOutcome(result, changed)
+
+
+def _same(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> bool:
+    keys = ("status", "reason", "message", "observedGeneration")
+    return before is not None and all(before.get(k) == after.get(k) for k in keys)
+
+
+def verify_output(kube: Kube, namespace: str, name: str, source: output_check.PromQuery,
+                  emit: EventSink) -> conditions.ConditionValue | None:
+    """Set the OutputVerified condition from the routers' canary; None when the resource is gone.
+
+    Writes status only when the condition changed. Events: a Warning CanaryMismatch when it turns
+    False, a Normal OutputVerified when it turns True after having been False.
+    """
+    body = kube.get(API_VERSION, KIND, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    # Prometheus is asked outside the reconcile lock, like the autoscaler's signals.
+    cond = output_check.read_output_condition(source, namespace, name)
+    with resource_lock(namespace, name):
+        fresh = kube.get(API_VERSION, KIND, namespace, name)
+        if fresh is None or fresh["metadata"].get("deletionTimestamp"):
+            return None
+        old = (fresh.get("status") or {}).get("conditions") or []
+        merged = conditions.merge_conditions(old, [cond], now_rfc3339(),
+                                             int(fresh["metadata"].get("generation", 0)))
+        before = next((c for c in old if c.get("type") == cond.type), None)
+        if _same(before, merged[0]):
+            return cond
+        kube.patch_status(namespace, name, {"conditions": merged})
+    previous = (before or {}).get("status")
+    if cond.status == "False" and previous != "False":
+        emit(fresh, "Warning", cond.reason, cond.message)
+    elif cond.status == "True" and previous == "False":
+        emit(fresh, "Normal", output_check.OUTPUT_VERIFIED, cond.message)
+    return cond

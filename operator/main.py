@@ -4,7 +4,9 @@ pure modules they call.
 Every trigger (resource created, changed or resumed; a periodic resync; a child Deployment or
 DisaggregatedPool changed or deleted; a worker pod the scheduler cannot place) runs the same
 level-based reconcile, so a missed event is repaired by the next one. The autoscaler is a second
-timer per resource (--autoscale-interval) that writes its decision to status and then reconciles.
+timer per resource (--autoscale-interval) that writes its decision to status and then reconciles;
+on every resource, autoscaled or not, it also sets the OutputVerified condition from the routers'
+output canary (autoscaler_run.verify_output).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from kubernetes import client as k8s
 from prometheus_client import start_http_server
 
 from tandem.operator import api
-from tandem.operator.autoscaler_run import autoscale_resource, signal_source
+from tandem.operator.autoscaler_run import autoscale_resource, signal_source, verify_output
 from tandem.operator.autoscaler_timer import AutoscalerMetrics
 from tandem.operator.builders import MANAGER
 from tandem.operator.kube import Kube, KubeError, load_configuration
@@ -149,10 +151,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
 
 def autoscale(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """The autoscaler timer (registered by `command` with the --autoscale-interval)."""
+    """The autoscaler timer (registered by `command` with the --autoscale-interval), on every resource.
+
+    autoscale_resource does nothing for a resource that was never autoscaled; verify_output always
+    sets the OutputVerified condition (the output canary), from the same Prometheus."""
     ns = namespace or ""
     try:
         outcome = autoscale_resource(_client(), ns, name, memo.signals, _emit, memo.autoscaler_metrics)
+        verify_output(_client(), ns, name, memo.signals, _emit)
     except KubeError as exc:
         raise kopf.TemporaryError(f"autoscaler: {exc}", delay=RETRY_SECONDS) from exc
     if outcome is not None and outcome.changed:
@@ -218,9 +224,10 @@ def _url_host(address: str) -> str:
               help="Serve GET /healthz (liveness and readiness) on this port.")
 @click.option("--listen-address", default="0.0.0.0", show_default=True,
               help="Address the health and metrics endpoints listen on (127.0.0.1: this machine only).")
-@click.option("--prometheus-url", default=None, help="Prometheus the autoscaler queries.")
+@click.option("--prometheus-url", default=None,
+              help="Prometheus the autoscaler and the OutputVerified condition (output canary) query.")
 @click.option("--autoscale-interval", type=click.FloatRange(1, 3600), default=15.0, show_default=True,
-              help="Seconds between autoscaler decisions.")
+              help="Seconds between autoscaler decisions and OutputVerified updates.")
 @click.option("--kubeconfig", type=click.Path(exists=True, dir_okay=False), default=None,
               help="Kubeconfig file. Default: in-cluster credentials, else $KUBECONFIG or ~/.kube/config.")
 @click.option("--network-policy/--no-network-policy", default=True, show_default=True,

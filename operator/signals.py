@@ -58,8 +58,7 @@ class Selector:
             raise SignalsError("selector role is empty: leave it out to match every role")
 
     def matchers(self, *, with_pool: bool = True, role_regex: str | None = None) -> str:
-        parts = [f'{m.LABEL_NAMESPACE}="{_escape(self.namespace)}"',
-                 f'{m.LABEL_RESOURCE}="{_escape(self.resource)}"']
+        parts = resource_matchers(self.namespace, self.resource)
         if with_pool:
             parts.append(f'{m.LABEL_POOL}="{_escape(self.pool)}"')
             if self.role is not None:
@@ -67,6 +66,14 @@ class Selector:
         if role_regex is not None:
             parts.append(f'{m.LABEL_ROLE}=~"{_escape(role_regex)}"')
         return "{" + ",".join(parts) + "}"
+
+
+def resource_matchers(namespace: str, resource: str) -> list[str]:
+    """The label matchers of one DisaggregatedModel's series: its namespace and the target label tandem_dev_model."""
+    for what, value in (("namespace", namespace), ("resource", resource)):
+        if not value:
+            raise SignalsError(f"selector {what} is empty: the query would match every {what}")
+    return [f'{m.LABEL_NAMESPACE}="{_escape(namespace)}"', f'{m.LABEL_RESOURCE}="{_escape(resource)}"']
 
 
 def _escape(value: str) -> str:
@@ -178,6 +185,11 @@ class PrometheusSignals:
         self._settings = settings
         self.url = url
 
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        """One instant query, raising on any failure: for the checks that are not autoscaler signals (the
+        output canary, tandem.operator.output_check)."""
+        return self._client.custom_query(promql)
+
     def fetch(self, pool: str, sel: Selector) -> PoolSignals:
         values: dict[str, float] = {}
         problems: dict[str, str] = {}
@@ -212,3 +224,10 @@ class NoSignals:
 
     def fetch(self, pool: str, sel: Selector) -> PoolSignals:
         return PoolSignals({}, {name: self.why for name in pool_queries(pool, sel)})
+
+    def query(self, promql: str) -> list[dict[str, Any]]:
+        raise SignalsUnavailable(self.why)
+
+
+class SignalsUnavailable(RuntimeError):
+    """There is no Prometheus to ask (NoSignals.query)."""

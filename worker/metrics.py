@@ -124,6 +124,12 @@ ROUTER_CANARY_PROBES = MetricDef(
     "The router's output canary (router/canary.py): one greedy probe prefilled locally and disaggregated on the "
     "same decode worker, by result (match|mismatch|skipped|error). A mismatch means wrong output without an error.",
     labels=(*COMMON_LABELS, "result"))
+# When the canary's mismatches count as wrong output: at least this many in this window. Shared by the alert
+# TandemOutputMismatch (hack/monitoring_config.py) and the operator's OutputVerified condition
+# (operator/output_check.py). One could be a near-tie flipped by a different batch shape on a GPU; a wrong KV
+# path mismatches on every probe.
+CANARY_MISMATCH_WINDOW = "30m"
+CANARY_MISMATCH_THRESHOLD = 2
 ROUTER_QUEUED_REQUESTS = MetricDef(f"{PREFIX}_router_queued_requests", "gauge",
                                    "Admitted requests not yet holding a running slot: reading their body, being "
                                    "tokenized or waiting (--max-queued-requests).")
