@@ -175,10 +175,6 @@ def test_spec_change_rolls_both_pools_under_load_with_no_failure(setup: Any, ste
         assert {"name": "TANDEM_E2E_ROLL", "value": env[0]["value"]} in env_now
 
 
-@pytest.mark.xfail(reason="known, issue 17: the two pools roll independently, so for seconds only an old-layout "
-                   "prefill and a new-layout decode may be usable; the router refuses to pair them (right) and, "
-                   "finding no pair, answers 503 after its wait instead of prefilling on the decode worker "
-                   "(2-3 of ~37 requests on the real node)", strict=False)
 def test_a_kv_layout_change_rolls_without_ever_pairing_old_and_new(setup: Any, steady_load: Any) -> None:
     """blockSize 16 -> 32 changes every worker's KV layout. While both pools roll under load the
     router must pair a prefill and a decode worker only on equal layouts: no KV transfer fails on
