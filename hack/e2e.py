@@ -202,7 +202,8 @@ def resource(name: str, namespace: str, model_name: str) -> dict:  # type: ignor
                       "dtype": "float32", "maxModelLen": 2048},
             "image": "tandem/worker:dev", "imagePullPolicy": "Never",
             "prefill": prefill, "decode": decode,
-            "router": {"replicas": 1, "nodeSelector": on_node},
+            # The output canary every 5 s (default 60), so that its condition is there to check within seconds.
+            "router": {"replicas": 1, "nodeSelector": on_node, "args": ["--canary-interval", "5"]},
         },
     }
 

@@ -100,6 +100,15 @@ class Setup:
         base = (router_url or self.info["router"]).removesuffix("/v1")
         return parse_metrics(urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode())
 
+    def router_sample(self, name: str, **labels: str) -> float:
+        """The sum of a router metric's samples whose labels include `labels`."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        base = self.info["router"].removesuffix("/v1")
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=5).read().decode()
+        return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+                   if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
+
     def warnings(self, component: str, since: str = "15m") -> str:
         """The WARNING and ERROR lines (and discovery changes) of a component's running pods, for a failed check."""
         out = []

@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "hack"))
 import real_node  # noqa: E402
 
+from tandem.worker import metrics as m  # noqa: E402
+
 # The first run builds the images (torch: gigabytes) and the kubelet: give the setup time.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -98,6 +100,22 @@ def test_status_printer_columns_and_events_now(setup: Any) -> None:
     # Warnings on the way are fine when they were true (a pod restarting); the last word is Ready.
     last = max(events, key=lambda e: e.get("lastTimestamp") or e.get("eventTime") or "")
     assert (last["type"], last["reason"]) == ("Normal", "Ready"), last["message"]
+
+
+def test_the_output_canary_matches_and_the_resource_says_so(setup: Any) -> None:
+    """The router's canary (every 5 s here) compares a local and a disaggregated greedy probe on real pods;
+    the operator reads its counts from Prometheus into the OutputVerified condition."""
+    probes = m.exposed_name(m.ROUTER_CANARY_PROBES)
+    setup.wait("the router's canary compared a probe",
+               lambda: setup.router_sample(probes, result="match") >= 1, timeout=120)
+    assert setup.router_sample(probes, result="mismatch") == 0
+
+    def verified() -> dict[str, Any] | None:
+        conditions = {c["type"]: c for c in setup.resource()["status"]["conditions"]}
+        found = conditions.get("OutputVerified")
+        return found if found and found["status"] == "True" else None
+    condition = setup.wait("OutputVerified is True", verified, timeout=180)
+    assert condition["reason"] == "CanaryMatched", condition
 
 
 def test_pods_pass_podsecurity_restricted_with_a_read_only_root(setup: Any) -> None:
