@@ -218,6 +218,31 @@ def build(only: list[str]) -> None:
     uv_image = build_uv_image(wheels)
     for name in only:
         build_image(name, base, uv_image, wheels)
+    prune(wheels)
+
+
+def prune(wheels: Path) -> None:
+    """Drop what no current image can use again: the wheel folders of other locks, and the images of
+    earlier builds whose layers left the current images' chains (a lock change rebuilds the worker's
+    7 GB dependency layer; without this each one stayed, and a day of work filled the disk). The
+    intermediate images of the current chains stay: they are the layer cache of the next build."""
+    for old in cache_dir().glob("wheels-*"):
+        if old != wheels and old.is_dir():
+            log(f"removing {old.name} (another lock's wheels)")
+            shutil.rmtree(old, ignore_errors=True)
+    images = json.loads((storage_root() / "overlay-images" / "images.json").read_text())
+    parents = {layer["id"]: layer.get("parent") for layer in
+               json.loads((storage_root() / "overlay-layers" / "layers.json").read_text())}
+    current: set[str] = set()
+    for image in images:
+        layer = image.get("layer") if image.get("names") else None
+        while layer and layer not in current:
+            current.add(layer)
+            layer = parents.get(layer)
+    stale = [i["id"] for i in images if not i.get("names") and i.get("layer") not in current]
+    if stale:
+        log(f"removing {len(stale)} images of earlier builds")
+        buildah("rmi", "--force", *stale)
 
 
 # --- loading into containerd --------------------------------------------------------------
@@ -374,6 +399,30 @@ def load(state: Path, only: list[str]) -> None:
         assert sent is not None
         real_node.ctr(paths, "images", "label", target, f"{IMAGE_ID_LABEL}={built}")
         log(f"{target} imported in {time.monotonic() - t0:.0f}s ({sent / 2**20:.0f} MiB of new blobs)")
+    collect_garbage(paths)
+
+
+def collect_garbage(paths: real_node.Paths) -> None:
+    """Drop the images a load replaced. The CRI plugin keeps a `sha256:<config>` reference to every image
+    it has seen, so a replaced tag left the old image (7 GB of blobs and as much in snapshots, for each
+    dependency change of the worker) in the store for good. References of that form whose config no
+    named image has are removed; --sync waits for containerd to collect what they held. What running
+    containers use stays until a later load."""
+    refs: dict[str, str] = {}  # reference -> manifest digest
+    for line in real_node.ctr(paths, "images", "ls").stdout.decode().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 3:
+            refs[fields[0]] = fields[2]
+    current = set()
+    for ref, digest in refs.items():
+        if not ref.startswith("sha256:"):
+            manifest = json.loads(real_node.ctr(paths, "content", "get", digest).stdout)
+            current.add(manifest["config"]["digest"])
+    stale = [ref for ref in refs if ref.startswith("sha256:") and ref not in current]
+    if stale:
+        removed = real_node.ctr(paths, "images", "rm", "--sync", *stale, check=False)
+        log(f"removed {len(stale)} replaced image(s) from containerd" if removed.returncode == 0 else
+            f"could not remove replaced images: {removed.stderr.decode(errors='replace').strip()[:300]}")
 
 
 def main(argv: list[str] | None = None) -> None:
