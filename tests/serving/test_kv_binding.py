@@ -73,6 +73,14 @@ def mismatches(decode: str) -> float:
 
 
 @pytest.fixture(scope="module")
+def plain(start_stack: Callable[..., Stack]) -> Stack:
+    """A stack of its own: the attack makes its decode worker prefill locally (tandem_fallback_prefills_total),
+    which the session's shared disaggregated stack must not show to later tests (test_openai_parity
+    asserts no fallback there)."""
+    return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1")
+
+
+@pytest.fixture(scope="module")
 def secure(start_stack: Callable[..., Stack]) -> Stack:
     """KV over CURVE (--secure-kv): the channel is authenticated, but /decode's caller still names the prompt."""
     return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1", "--secure-kv")
@@ -81,7 +89,7 @@ def secure(start_stack: Callable[..., Stack]) -> Stack:
 @pytest.mark.parametrize("kv", ["plain", "secure"])
 def test_kv_shipped_for_one_prompt_is_neither_used_nor_cached_for_another(kv: str, mono: Stack,
                                                                          request: pytest.FixtureRequest) -> None:
-    disagg: Stack = request.getfixturevalue("disagg" if kv == "plain" else "secure")
+    disagg: Stack = request.getfixturevalue(kv)
     wait_until_disaggregated(disagg)
     decode = disagg.procs("decode")[0]["url"]
     want_b = monolithic_greedy(mono, PROMPT_B)
