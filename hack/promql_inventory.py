@@ -27,7 +27,7 @@ _METRIC_TOKEN = re.compile(r"\btandem_[a-z0-9_]+\b")
 _RECORD_TOKEN = re.compile(r"\btandem:[a-z0-9_]+:[a-z0-9_]+\b")
 _SUFFIXES = ("_bucket", "_count", "_sum", "_total")
 _OPERATOR_NAMES = {metric.name for metric in m.ALL_OPERATOR_METRICS}
-_WORKER_NAMES = {metric.name for metric in m.ALL_WORKER_METRICS}
+_WORKER_NAMES = {metric.name for metric in (*m.ALL_WORKER_METRICS, *m.ROUTER_ONLY_METRICS)}  # the model's pods
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def render(expr: str, variables: dict[str, str] | None = None, rate_interval: st
 
 def _exposed_names() -> set[str]:
     names = set()
-    for metric in (*m.ALL_WORKER_METRICS, *m.ALL_OPERATOR_METRICS):
+    for metric in (*m.ALL_WORKER_METRICS, *m.ROUTER_ONLY_METRICS, *m.ALL_OPERATOR_METRICS):
         if metric.kind == "histogram":
             names |= {f"{metric.name}{suffix}" for suffix in ("_bucket", "_count", "_sum")}
         else:

@@ -153,6 +153,12 @@ ALL_WORKER_METRICS = (
     WORKER_READY, CONTROL_AUTH_FAILURES,
 )
 
+# Series only the router exports (it exports some of the above too: TTFT, tokens, requests, migrations). For the
+# dashboards and rules they come from the same scrape as the workers': the model's pods.
+ROUTER_ONLY_METRICS = (
+    ROUTER_AUTH_FAILURES, ROUTER_OVERLOADED, ROUTER_ACTIVE_REQUESTS, ROUTER_QUEUED_REQUESTS, ROUTER_CANARY_PROBES,
+)
+
 # --- operator / autoscaler (label `pool` is prefill|decode, `namespace` and `name` the resource) ---
 LABEL_NAMESPACE = "namespace"
 LABEL_NAME = "name"

@@ -94,7 +94,7 @@ def test_operator_dashboard_shows_errors_scale_events_and_signals_against_target
 def test_every_metric_name_in_dashboards_and_rules_exists() -> None:
     """Typos in metric names would draw empty panels: every tandem_* token must be defined."""
     known = set()
-    for metric in (*m.ALL_WORKER_METRICS, *m.ALL_OPERATOR_METRICS):
+    for metric in (*m.ALL_WORKER_METRICS, *m.ROUTER_ONLY_METRICS, *m.ALL_OPERATOR_METRICS):
         exposed = m.exposed_name(metric)
         known |= {exposed} if metric.kind != "histogram" else {f"{metric.name}_{s}" for s in ("bucket", "count", "sum")}
     texts = [p.read_text() for p in DASHBOARDS.glob("*.json")]

@@ -55,7 +55,12 @@ def test_a_healthy_stack_matches_and_a_block_swap_is_caught(start_stack: Callabl
     wait_for_probes(healthy, ("match", "mismatch"), 2)
     assert probes(healthy, "mismatch") == 0
     assert probes(healthy, "error") == 0
+    # The probes stay out of the workers' request metrics (the autoscaler and the SLO rules read them).
+    requests = m.exposed_name(m.REQUESTS)
+    for proc in healthy.procs("prefill") + healthy.procs("decode"):
+        assert metric_value(proc["url"], requests) == 0, proc["name"]
     assert completion(healthy, PROMPT) == hf_greedy(PROMPT, 8)
+    assert sum(metric_value(p["url"], requests) for p in healthy.procs("prefill") + healthy.procs("decode")) == 2
     healthy.stop()
 
     env = {**os.environ, "TANDEM_ENABLE_FAULTS": "1"}

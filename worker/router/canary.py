@@ -24,7 +24,7 @@ from tandem.worker import metrics as m
 from tandem.worker.router.dispatch import Dispatcher
 from tandem.worker.router.errors import APIError
 from tandem.worker.router.telemetry import RouterTelemetry
-from tandem.worker.server.protocol import Sampling
+from tandem.worker.server.protocol import CANARY_ID_PREFIX, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,8 @@ class Canary:
         sampling = Sampling.model_validate({"max_tokens": PROBE_TOKENS, "temperature": 0.0, "ignore_eos": True})
         deadline = time.monotonic() + PROBE_TIMEOUT_S
         try:
-            compared = await self.dispatcher.compare_paths(f"canary-{uuid.uuid4().hex[:12]}", prompt, sampling,
-                                                          deadline)
+            compared = await self.dispatcher.compare_paths(f"{CANARY_ID_PREFIX}{uuid.uuid4().hex[:12]}", prompt,
+                                                          sampling, deadline)
         except APIError as exc:
             log.warning("canary probe failed: %s", exc.message)
             return self._count("error")

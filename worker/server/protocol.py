@@ -28,6 +28,10 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as vLLM takes it (tor
 # most 10 minutes; an unclaimed reservation holds KV blocks all that time (the router sends no more than
 # the time its request has left, and claims a reservation as soon as the first token is back).
 MAX_DEADLINE_S = 86_400.0
+# Request ids of the router's output canary (router/canary.py). Workers serve them like any request but
+# leave them out of the request metrics (TTFT, ITL, tokens, requests): a probe a minute is no user's
+# latency, and the autoscaler and the SLO rules read those series.
+CANARY_ID_PREFIX = "canary-"
 MAX_RESERVE_DEADLINE_S = 600.0
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]

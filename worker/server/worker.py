@@ -24,6 +24,7 @@ from tandem.worker.server.config import WorkerConfig
 from tandem.worker.server.engine_loop import EngineFailure, EngineLoop, Subscription
 from tandem.worker.server.kv_link import KVIntake, KVShipper, PeerQuota
 from tandem.worker.server.protocol import (
+    CANARY_ID_PREFIX,
     STREAM_HEARTBEAT_S,
     DecodeRequest,
     GenerateRequest,
@@ -280,6 +281,7 @@ class WorkerServer:
         """NDJSON of a request's outputs until it finishes; aborts it if the caller goes away."""
         finished = False
         last: float | None = None
+        telemetry = self._request_telemetry(request_id)
         try:
             if first is not None:
                 yield first.model_dump_json().encode() + b"\n"
@@ -300,33 +302,37 @@ class WorkerServer:
                 now = time.monotonic()
                 if out.finish_reason == "error":  # this request alone failed (request_error: not the worker)
                     finished = True
-                    self._finished(out, now - sub.arrival)
+                    self._finished(out, now - sub.arrival, telemetry)
                     yield StreamChunk(finished=True, finish_reason="error", error=out.error, request_error=True,
                                       num_prompt_tokens=out.num_prompt_tokens).model_dump_json().encode() + b"\n"
                     return
                 if out.new_token_ids:
                     if last is None and first is None:
-                        self.telemetry.observe(m.TTFT, now - sub.arrival)
+                        telemetry.observe(m.TTFT, now - sub.arrival)
                     elif last is not None:
-                        self.telemetry.observe(m.ITL, (now - last) / len(out.new_token_ids))
+                        telemetry.observe(m.ITL, (now - last) / len(out.new_token_ids))
                     last = now
-                    self.telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
+                    telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
                 chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs, finished=out.finished,
                                     finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens)
                 yield chunk.model_dump_json().encode() + b"\n"
                 if out.finished:
                     finished = True
-                    self._finished(out, now - sub.arrival)
+                    self._finished(out, now - sub.arrival, telemetry)
                     return
         finally:
             loop.unsubscribe(request_id)
             if not finished:
                 loop.call(lambda e: e.abort(request_id))
 
-    def _finished(self, out: Any, e2e: float) -> None:
-        self.telemetry.observe(m.E2E, e2e)
-        self.telemetry.inc(m.PROMPT_TOKENS, out.num_prompt_tokens)
-        self.telemetry.inc(m.REQUESTS, reason=str(out.finish_reason))
+    def _finished(self, out: Any, e2e: float, telemetry: Telemetry | _NoTelemetry) -> None:
+        telemetry.observe(m.E2E, e2e)
+        telemetry.inc(m.PROMPT_TOKENS, out.num_prompt_tokens)
+        telemetry.inc(m.REQUESTS, reason=str(out.finish_reason))
+
+    def _request_telemetry(self, request_id: str) -> Telemetry | _NoTelemetry:
+        """Where a request's own metrics go: nowhere for the router's canary probes (protocol.CANARY_ID_PREFIX)."""
+        return _NO_TELEMETRY if request_id.startswith(CANARY_ID_PREFIX) else self.telemetry
 
     # --- control API ---
     async def generate(self, req: GenerateRequest) -> AsyncIterator[bytes]:
@@ -525,14 +531,15 @@ class WorkerServer:
                 if isinstance(out, EngineFailure):
                     raise Rejected(500, out.message)
                 if out.finish_reason == "error":  # this request's own failure: it would fail on any worker
-                    self._finished(out, time.monotonic() - sub.arrival)
+                    self._finished(out, time.monotonic() - sub.arrival, self._request_telemetry(rid))
                     raise Rejected(422, out.error or "this request failed")
                 if out.finished:
                     finished = True
                     break
-            self.telemetry.observe(m.TTFT, time.monotonic() - sub.arrival)
-            self.telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
-            self._finished(out, time.monotonic() - sub.arrival)
+            telemetry = self._request_telemetry(rid)
+            telemetry.observe(m.TTFT, time.monotonic() - sub.arrival)
+            telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
+            self._finished(out, time.monotonic() - sub.arrival, telemetry)
             if shipping:
                 try:
                     await asyncio.to_thread(self.shipper.finish, rid, list(out.kv_block_ids or []))  # type: ignore[union-attr]
@@ -576,3 +583,16 @@ class WorkerServer:
             for rid in list(self.intake.reservations):
                 self.intake.cancel(rid)
         log.info("drained")
+
+
+class _NoTelemetry:
+    """Request metrics that go nowhere (the canary's probes)."""
+
+    def observe(self, d: m.MetricDef, value: float, **extra: str) -> None:
+        pass
+
+    def inc(self, d: m.MetricDef, amount: float = 1.0, **extra: str) -> None:
+        pass
+
+
+_NO_TELEMETRY = _NoTelemetry()
