@@ -117,6 +117,26 @@ def as_json(text: str) -> dict[str, Any]:
     return json.loads(text)  # type: ignore[no-any-return]
 
 
+def rbac_only_kubeconfig(testbed: Any, ns: str, out: Path) -> Path:
+    """A kubeconfig at `out` for a ServiceAccount in `ns` (which must exist) bound to tandem.operator.rbac's
+    rules and nothing else: the operator's documented RBAC, as the chart grants it."""
+    from tandem.operator.rbac import cluster_role
+
+    role = f"tandem-operator-{ns}"
+    testbed.kubectl("create", "serviceaccount", "tandem-operator", "-n", ns)
+    testbed.kubectl("apply", "-f", "-", input=json.dumps(cluster_role(role)))
+    testbed.kubectl("create", "clusterrolebinding", role, f"--clusterrole={role}",
+                    f"--serviceaccount={ns}:tandem-operator")
+    token = testbed.kubectl("create", "token", "tandem-operator", "-n", ns, "--duration=1h").stdout.strip()
+    kubeconfig = json.loads(testbed.cluster.kubeconfig.read_text())
+    kubeconfig["users"] = [{"name": "operator", "user": {"token": token}}]
+    kubeconfig["contexts"] = [{"name": "operator", "context": {"cluster": kubeconfig["clusters"][0]["name"],
+                                                               "user": "operator"}}]
+    kubeconfig["current-context"] = "operator"
+    out.write_text(json.dumps(kubeconfig))
+    return out
+
+
 def environ_without_kubeconfig() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
 

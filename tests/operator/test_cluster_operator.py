@@ -14,9 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import OperatorProcess, condition, environ_without_kubeconfig, wait_for
+from operator_harness import (
+    OperatorProcess,
+    condition,
+    environ_without_kubeconfig,
+    rbac_only_kubeconfig,
+    wait_for,
+)
 
-from tandem.operator.rbac import cluster_role
 from tandem.worker.kv.keys import KVKeys
 
 pytestmark = pytest.mark.integration
@@ -280,17 +285,7 @@ def test_operator_works_with_only_the_documented_rbac(testbed: Bed, sample: Call
     testbed.kubectl("create", "namespace", ns)
     operator = None
     try:
-        testbed.kubectl("create", "serviceaccount", "tandem-operator", "-n", ns)
-        testbed.kubectl("apply", "-f", "-", input=json.dumps(cluster_role(role)))
-        testbed.kubectl("create", "clusterrolebinding", role, f"--clusterrole={role}",
-                        f"--serviceaccount={ns}:tandem-operator")
-        token = testbed.kubectl("create", "token", "tandem-operator", "-n", ns, "--duration=1h").stdout.strip()
-        kubeconfig = json.loads(testbed.cluster.kubeconfig.read_text())
-        kubeconfig["users"] = [{"name": "operator", "user": {"token": token}}]
-        kubeconfig["contexts"] = [{"name": "operator", "context": {"cluster": kubeconfig["clusters"][0]["name"],
-                                                                   "user": "operator"}}]
-        kubeconfig["current-context"] = "operator"
-        (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+        rbac_only_kubeconfig(testbed, ns, tmp_path / "kubeconfig")
         operator = OperatorProcess(tmp_path / "kubeconfig", ns, tmp_path / "operator.log", testbed.cluster.env)
         operator.start()
 

@@ -20,11 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from operator_harness import OperatorProcess, condition, wait_for
+from operator_harness import OperatorProcess, condition, rbac_only_kubeconfig, wait_for
 
 from tandem.operator import builders, network_policy
 from tandem.operator.network_policy import NetworkPolicySettings
-from tandem.operator.rbac import cluster_role
 
 pytestmark = pytest.mark.integration
 
@@ -109,17 +108,7 @@ def scoped(testbed: Bed, tmp_path: Path) -> Iterator[tuple[str, Path]]:
     role = f"tandem-operator-{ns}"
     testbed.kubectl("create", "namespace", ns)
     try:
-        testbed.kubectl("create", "serviceaccount", "tandem-operator", "-n", ns)
-        testbed.kubectl("apply", "-f", "-", input=json.dumps(cluster_role(role)))
-        testbed.kubectl("create", "clusterrolebinding", role, f"--clusterrole={role}",
-                        f"--serviceaccount={ns}:tandem-operator")
-        token = testbed.kubectl("create", "token", "tandem-operator", "-n", ns, "--duration=1h").stdout.strip()
-        kubeconfig = json.loads(testbed.cluster.kubeconfig.read_text())
-        kubeconfig["users"] = [{"name": "operator", "user": {"token": token}}]
-        kubeconfig["contexts"] = [{"name": "operator", "context": {"cluster": kubeconfig["clusters"][0]["name"],
-                                                                   "user": "operator"}}]
-        kubeconfig["current-context"] = "operator"
-        (tmp_path / "kubeconfig").write_text(json.dumps(kubeconfig))
+        rbac_only_kubeconfig(testbed, ns, tmp_path / "kubeconfig")
         yield ns, tmp_path / "kubeconfig"
     finally:
         testbed.cluster.delete_custom_resources(ns)
