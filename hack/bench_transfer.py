@@ -9,7 +9,7 @@ process in both cases, so the two sides do not share a GIL. It also reports the 
 processes spent per GiB moved, which stays meaningful when other work shares the machine.
 
     .venv/bin/python hack/bench_transfer.py [--seconds 1.5] [--sizes 64K,256K,1M,4M,16M,64M] [--json out.json]
-        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1 ...]   # several: an A/B in one run
+        [--variant LABEL:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1,tls=0|1 ...]   # several: an A/B in one run
         [--rounds 4]   # raw and the variants take turns this many times per size (more: fairer under load)
 
 A variant with `checks=off` is an ablation, not a configuration: it skips the payload digest on both
@@ -19,6 +19,10 @@ A variant with `floor=1` is not the transport at all: pyzmq alone, sending the s
 frames (same frame size, same number of data streams, zero-copy) to a ROUTER that drops them and
 answers a finish message once all arrived. No digest, no bookkeeping, no copy: the floor any
 transport built on pyzmq stands on, on this machine.
+A variant with `tls=1` is not the transport either: the raw socket above inside TLS 1.3 (Python's
+ssl, a throwaway self-signed certificate, the cipher OpenSSL negotiates, printed), with a 1-byte ack
+per transfer like raw. It is the reference for "what would TLS cost here", beside the sealed
+transport (seal=1), which encrypts with the same AES-GCM TLS 1.3 uses.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import secrets
 import socket
+import ssl
 import statistics
 import struct
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -43,6 +50,7 @@ from tandem.worker.kv.keys import KVKeys
 from tandem.worker.kv.layout import KVLayout
 from tandem.worker.transfer import allocator, tcp_receiver, wire
 from tandem.worker.transfer.limits import DEFAULT_FRAME_BYTES, ReceiverLimits
+from tandem.worker.transfer.sealing import SealSecrets
 from tandem.worker.transfer.tcp_receiver import TcpReceiver
 from tandem.worker.transfer.tcp_sender import TcpSender
 
@@ -78,8 +86,10 @@ class Variant:
     frame_bytes: int
     keep_freed_buffers: bool = True  # the transport's allocator setting (allocator.py); the receiver's is what counts
     secure: bool = False  # kvTransfer.secure: CURVE on the zmq sockets (security.py)
+    seal: bool = False  # sealed transfer: AES-256-GCM with keys from the control token (sealing.py)
     checks: bool = True  # False: the ablation described at the top (bench only)
     floor: bool = False  # True: pyzmq alone with this framing, not the transport (described at the top)
+    tls: bool = False  # True: the raw socket inside TLS 1.3, not the transport (described at the top)
 
 
 def parse_size(text: str) -> int:
@@ -148,6 +158,92 @@ class RawClient:
         self.proc.join(timeout=5)
 
 
+# --- TLS 1.3 reference ------------------------------------------------------------------------
+
+def _self_signed(folder: str) -> tuple[str, str]:
+    """A throwaway certificate for 127.0.0.1 (cryptography, the worker extra's dependency)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bench")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(key, hashes.SHA256()))
+    certfile, keyfile = os.path.join(folder, "cert.pem"), os.path.join(folder, "key.pem")
+    with open(certfile, "wb") as out:
+        out.write(cert.public_bytes(serialization.Encoding.PEM))
+    with open(keyfile, "wb") as out:
+        out.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption()))
+    return certfile, keyfile
+
+
+def _recv_exact(conn: Any, view: memoryview) -> bool:
+    got = 0
+    while got < len(view):
+        n = conn.recv_into(view[got:])
+        if n == 0:
+            return False
+        got += n
+    return True
+
+
+def tls_server(port_out: Any, max_size: int, certfile: str, keyfile: str) -> None:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.load_cert_chain(certfile, keyfile)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port_out.send(listener.getsockname()[1])
+    conn = context.wrap_socket(listener.accept()[0], server_side=True)
+    view = memoryview(bytearray(max_size))
+    head = memoryview(bytearray(8))
+    while _recv_exact(conn, head):
+        size = int.from_bytes(head, "little")
+        if size == 0:
+            conn.sendall(struct.pack("<d", time.process_time()))
+        elif _recv_exact(conn, view[:size]):
+            conn.sendall(b"k")
+        else:
+            return
+
+
+class TlsClient(RawClient):
+    """The raw socket's transfers inside TLS 1.3: what TLS costs on this machine (a reference, not the transport)."""
+
+    def __init__(self, max_size: int) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="bench-tls-")
+        certfile, keyfile = _self_signed(self._folder.name)
+        parent, child = mp.Pipe()
+        self.proc = mp.get_context("spawn").Process(target=tls_server, args=(child, max_size, certfile, keyfile),
+                                                    daemon=True)
+        self.proc.start()
+        context = ssl.create_default_context(cafile=certfile)
+        context.minimum_version = ssl.TLSVersion.TLSv1_3
+        self.sock = context.wrap_socket(socket.create_connection(("127.0.0.1", parent.recv())),
+                                        server_hostname="localhost")
+        self.cipher = str(self.sock.cipher()[0])
+        self.payload = memoryview(bytearray(os.urandom(1024)) * (max_size // 1024 + 1))
+
+    def cpu_now(self) -> float:
+        self.sock.sendall((0).to_bytes(8, "little"))
+        reply = memoryview(bytearray(8))
+        if not _recv_exact(self.sock, reply):
+            raise RuntimeError("TLS receiver went away")
+        return time.process_time() + float(struct.unpack("<d", reply)[0])
+
+    def close(self) -> None:
+        super().close()
+        self._folder.cleanup()
+
+
 # --- tandem tcp transport --------------------------------------------------------------------
 
 _real_digest = wire.frame_digest
@@ -162,14 +258,14 @@ wire.frame_digest = _digest_unless_ablated  # the senders all live in this proce
 
 
 def tcp_server(conn: Any, num_blocks: int, keep_freed_buffers: bool, keys: KVKeys | None = None,
-               checks: bool = True, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
+               checks: bool = True, max_frame_bytes: int = DEFAULT_FRAME_BYTES, seal: SealSecrets | None = None) -> None:
     if not checks:  # this child serves one ablated variant: no payload digest, no copy into the cache
         global _unchecked
         _unchecked = True
         tcp_receiver.write_blocks = lambda *args: None
     cache = torch.zeros(LAYOUT.num_layers, 2, num_blocks, LAYOUT.block_size, LAYOUT.num_kv_heads,
                         LAYOUT.head_dim, dtype=torch.float16)
-    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys,
+    receiver = TcpReceiver(LAYOUT, cache, keep_freed_buffers=keep_freed_buffers, keys=keys, seal=seal,
                            limits=ReceiverLimits(max_frame_bytes=max_frame_bytes))  # its sender's frames fit
     conn.send(receiver.address)
     done = threading.Event()
@@ -201,9 +297,10 @@ class TcpClient:
         num_blocks = max_size // UNIT
         self.pipe, child = mp.Pipe()
         keys = KVKeys.generate() if variant.secure else None
+        seal = SealSecrets.from_tokens([secrets.token_hex(16)]) if variant.seal else None
         self.proc = mp.get_context("spawn").Process(target=tcp_server, args=(child, num_blocks,
                                                                              variant.keep_freed_buffers, keys,
-                                                                             variant.checks, variant.frame_bytes),
+                                                                             variant.checks, variant.frame_bytes, seal),
                                                     daemon=True)
         self.proc.start()
         address = self.pipe.recv()
@@ -211,7 +308,7 @@ class TcpClient:
                             LAYOUT.head_dim).to(torch.float16)
         # The allocator setting is per process: this one's (the senders') is whatever the first variant chose.
         self.sender = TcpSender(LAYOUT, cache, streams=variant.streams, frame_bytes=variant.frame_bytes,
-                                keep_freed_buffers=variant.keep_freed_buffers, keys=keys)
+                                keep_freed_buffers=variant.keep_freed_buffers, keys=keys, seal=seal)
         self.conn = self.sender.connect(address)
         self.counter = 0
         self.checks = variant.checks
@@ -318,7 +415,7 @@ class ZmqFloorClient:
         self.ctx.term()
 
 
-Client = RawClient | TcpClient | ZmqFloorClient
+Client = RawClient | TlsClient | TcpClient | ZmqFloorClient
 
 
 def measure(clients: dict[str, Client], sizes: list[int], seconds: float,
@@ -361,10 +458,10 @@ def table(rows: list[Row]) -> str:
 
 
 def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
-    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]`, e.g. `f1m:frame=1M`; unset keys take
+    """`LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1]`, e.g. `f1m:frame=1M`; unset keys take
     --streams / --frame-bytes, and alloc=keep (the transport's allocator setting, allocator.py)."""
     label, _, options = text.partition(":")
-    keep, secure, checks, floor = True, False, True, False
+    keep, secure, seal, checks, floor, tls = True, False, False, True, False, False
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
         if key == "streams":
@@ -375,16 +472,28 @@ def parse_variant(text: str, streams: int, frame_bytes: int) -> Variant:
             keep = value == "keep"
         elif key == "secure" and value in ("0", "1"):
             secure = value == "1"
+        elif key == "seal" and value in ("0", "1"):
+            seal = value == "1"
         elif key == "checks" and value in ("on", "off"):
             checks = value == "on"
         elif key == "floor" and value in ("0", "1"):
             floor = value == "1"
+        elif key == "tls" and value in ("0", "1"):
+            tls = value == "1"
         else:
             raise ValueError(f"unknown variant option {option!r} in {text!r} (streams=N, frame=SIZE, "
-                             "alloc=keep|default, secure=0|1, checks=on|off, floor=0|1)")
+                             "alloc=keep|default, secure=0|1, seal=0|1, checks=on|off, floor=0|1, tls=0|1)")
     if not label or streams <= 0 or frame_bytes <= 0:
-        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]")
-    return Variant(label, streams, frame_bytes, keep, secure, checks, floor)
+        raise ValueError(f"bad variant {text!r}: LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1,tls=0|1]")
+    if secure and seal:
+        raise ValueError(f"bad variant {text!r}: secure (CURVE) and seal both encrypt; choose one")
+    if tls and (floor or secure or seal):
+        raise ValueError(f"bad variant {text!r}: tls=1 is the TLS reference, not the transport: no other option")
+    return Variant(label, streams, frame_bytes, keep, secure, seal, checks, floor, tls)
+
+
+def tls_note(client: Client) -> str:
+    return f" (REFERENCE: the raw socket inside TLS 1.3, {getattr(client, 'cipher', '?')}, not the transport)"
 
 
 def main() -> int:
@@ -394,7 +503,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--frame-bytes", default="2M")
     parser.add_argument("--variant", action="append", default=[],
-                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,checks=on|off,floor=0|1]; repeat for an "
+                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1]; repeat for an "
                              "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns per size: raw and each variant alternate this many times within --seconds")
@@ -414,7 +523,8 @@ def main() -> int:
     clients: dict[str, Client] = {"raw": RawClient(max(sizes))}
     try:
         for v in variants:
-            clients[v.label] = ZmqFloorClient(max(sizes), v) if v.floor else TcpClient(max(sizes), v)
+            clients[v.label] = (TlsClient(max(sizes)) if v.tls else ZmqFloorClient(max(sizes), v) if v.floor
+                                else TcpClient(max(sizes), v))
         results = measure(clients, sizes, args.seconds, args.rounds)
     finally:
         for client in clients.values():
@@ -425,6 +535,7 @@ def main() -> int:
                           f"{'' if v.keep_freed_buffers else ', default allocator'}"
                           f"{'' if v.checks else ', ABLATION: no payload digest, no copy into the cache'}"
                           f"{', FLOOR: pyzmq alone with this framing, not the transport' if v.floor else ''}"
+                          f"{tls_note(clients[v.label]) if v.tls else ''}"
                           for v in variants)
     print(f"# {' '.join(sys.argv)}  (cpus: {os.cpu_count()}, load {load:.1f}; one run, raw and tcp "
           f"alternating per size; GB/s from the median transfer; {described})")

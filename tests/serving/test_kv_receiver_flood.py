@@ -5,7 +5,10 @@ address than the prefill worker's 127.0.0.1, as on a real network, so the per-pe
 - one 1 GiB message part (the issue's repro),
 - connections sending one message of endless 0-byte parts (zmq keeps ~64 bytes per 2 wire bytes
   until the last part arrives),
-- 40 handshakes with a valid HELLO (the layout hash is public on /workers), holding sessions.
+- 40 handshakes from a stranger: a HELLO with the right layout hash but without the model's control token.
+  KV transfer is sealed by default, so each is refused at the handshake (auth_failed) before it holds a
+  session or anything else. (The per-peer session cap, which a token holder or anyone facing a model run
+  with --kv-encryption none meets, is tested in tests/transfer/test_receiver_limits.py.)
 Legitimate requests run during and after the flood: their KV must still be transferred (no fallback
 prefill) and their output must equal the output before the flood; the worker stays healthy.
 
@@ -37,6 +40,8 @@ import zmq
 from openai import OpenAI
 
 from tandem.worker.transfer import wire
+from tandem.worker.transfer.conformance import raw_zmtp_dealer
+from tandem.worker.transfer.sealing import SealSecrets, SenderHandshake
 
 from .conftest import Stack, control_headers, metric_value, wait_until_disaggregated
 
@@ -74,15 +79,8 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def zmtp_connection(port: int) -> socket.socket:
-    """A raw TCP connection from ATTACKER that completes the ZMTP 3.0 NULL handshake as a DEALER."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind((ATTACKER, 0))
-    sock.connect(("127.0.0.1", port))
-    sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL" + b"\0" * 16 + b"\0" + b"\0" * 31)
-    props = b"\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    body = b"\x05READY" + props
-    sock.sendall(b"\x04" + bytes([len(body)]) + body)
-    return sock
+    """A raw TCP connection from ATTACKER that has completed the ZMTP 3.0 NULL handshake as a DEALER."""
+    return raw_zmtp_dealer(port, ATTACKER)
 
 
 def send_until_cut(sock: socket.socket, chunk: bytes, total: int) -> int:
@@ -110,8 +108,9 @@ def endless_parts(port: int) -> int:
     return send_until_cut(zmtp_connection(port), b"\x01\x00" * (1 << 19), BOMB_WIRE_BYTES)
 
 
-def junk_sessions(address: str, layout_hash: str, count: int) -> tuple[int, int]:
-    """`count` DEALERs from ATTACKER each saying a valid HELLO; returns (welcomed, refused)."""
+def junk_sessions(address: str, layout_hash: str, count: int, token: str | None) -> tuple[int, int]:
+    """`count` DEALERs from ATTACKER each saying a HELLO, sealed with `token` when one is given; returns
+    (welcomed, refused)."""
     ctx = zmq.Context()
     host_port = address.removeprefix("tcp://")
     welcomed = refused = 0
@@ -121,8 +120,11 @@ def junk_sessions(address: str, layout_hash: str, count: int) -> tuple[int, int]
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(f"tcp://{ATTACKER}:0;{host_port}")
+            session = uuid.uuid4().hex
             hello = {"protocol": wire.PROTOCOL_VERSION, "transport": "tcp", "layout_hash": layout_hash,
-                     "session": uuid.uuid4().hex}
+                     "session": session}
+            if token is not None:
+                hello.update(SenderHandshake(SealSecrets.from_tokens([token]), session).hello_fields())
             sock.send_multipart([b"H", json.dumps(hello).encode()])
             socks.append(sock)
         limit = time.monotonic() + 15
@@ -157,7 +159,8 @@ def test_a_kv_port_flood_leaves_the_decode_worker_bounded_and_serving(start_stac
     attacks = [threading.Thread(target=lambda: sent.__setitem__("oversized", oversized_message(port)))]
     attacks += [threading.Thread(target=lambda i=i: sent.__setitem__(f"parts{i}", endless_parts(port)))
                 for i in range(BOMB_CONNECTIONS)]
-    attacks.append(threading.Thread(target=lambda: sessions.append(junk_sessions(address, layout_hash, 40))))
+    auth_failures = metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="auth_failed")
+    attacks.append(threading.Thread(target=lambda: sessions.append(junk_sessions(address, layout_hash, 40, None))))
     for attack in attacks:
         attack.start()
     while any(attack.is_alive() for attack in attacks):  # legitimate traffic during the flood
@@ -179,8 +182,10 @@ def test_a_kv_port_flood_leaves_the_decode_worker_bounded_and_serving(start_stac
     assert metric_value(decode["url"], "tandem_kv_transfer_bytes_total", direction="recv") > received
     assert httpx.get(f"{decode['url']}/health", timeout=5).status_code == 200
     assert growth < RSS_GROWTH_LIMIT_MIB, f"the decode worker's peak RSS grew by {growth:.0f} MiB"
-    assert sessions and sessions[0][1] > 0, "the junk sessions were never capped"
+    assert sessions == [(0, 40)], f"a stranger without the control token got a session: {sessions}"
+    assert metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="auth_failed") \
+        >= auth_failures + 40, "the stranger's refused handshakes were not counted as auth_failed"
     assert sent["oversized"] < 1 << 30, "the 1 GiB part was read to the end"
     refused = {reason: metric_value(decode["url"], "tandem_kv_receiver_refusals_total", reason=reason)
-               for reason in ("peer_sessions", "bytes_in_flight", "dropped")}
+               for reason in ("bytes_in_flight", "dropped")}
     assert all(refused.values()), f"every refusal is counted by its reason: {refused}"

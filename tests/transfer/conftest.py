@@ -31,6 +31,7 @@ def transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture(params=["tcp", _rdma_param(), pytest.param("rdma-loopback", id="rdma-loopback")])
+@pytest.fixture(params=["tcp", _rdma_param(), pytest.param("rdma-loopback", id="rdma-loopback"),
+                        "tcp-sealed", pytest.param("rdma-loopback-sealed", id="rdma-loopback-sealed")])
 def conformance_transport(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -15,9 +15,10 @@ import torch
 
 from tandem.worker import metrics as m
 from tandem.worker.kv.layout import KVLayout
-from tandem.worker.transfer import TransferError, TransferTelemetry, make_sender, wire
+from tandem.worker.transfer import TransferError, TransferTelemetry, wire
 from tandem.worker.transfer.conformance import (
     RDMA_LOOPBACK,
+    SEALED,
     TINY_LAYOUT,
     DoneWaiter,
     Pair,
@@ -44,7 +45,7 @@ def failures(telemetry: TransferTelemetry, transport: str, reason: str) -> float
 
 
 def needs_two_processes(transport: str) -> None:
-    if transport == RDMA_LOOPBACK:
+    if transport.removesuffix(SEALED) == RDMA_LOOPBACK:
         pytest.skip("the emulated NIC connects queue pairs of one process only; a peer that dies in its own "
                     "process needs real RDMA hardware")
 
@@ -329,7 +330,7 @@ def test_receiver_death_mid_transfer_fails_the_sender(transport: str) -> None:
     needs_two_processes(transport)
     peer = spawn_receiver(transport, 16)
     telemetry = TransferTelemetry()
-    sender = make_sender(transport, TINY_LAYOUT, make_cache(TINY_LAYOUT, 16, random=True), telemetry=telemetry)
+    sender = build_sender(transport, TINY_LAYOUT, make_cache(TINY_LAYOUT, 16, random=True), telemetry=telemetry)
     try:
         address = peer.recv()
         peer.pipe.send(("req-lost", [0, 1, 2]))

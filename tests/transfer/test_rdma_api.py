@@ -76,7 +76,11 @@ def test_the_qualified_enum_names_rdma_uses_resolve() -> None:
                        ("ibv_wr_opcode", "IBV_WR_RDMA_WRITE"), ("ibv_send_flags", "IBV_SEND_SIGNALED"),
                        ("ibv_qp_type", "IBV_QPT_RC"),
                        ("ibv_qp_state", "IBV_QPS_ERR"), ("ibv_qp_attr_mask", "IBV_QP_STATE"),
-                       ("ibv_gid_type_sysfs", "IBV_GID_TYPE_SYSFS_ROCE_V2"), ("ibv_mtu", "IBV_MTU_1024")):
+                       ("ibv_gid_type_sysfs", "IBV_GID_TYPE_SYSFS_ROCE_V2"), ("ibv_mtu", "IBV_MTU_1024"),
+                       # scoped memory keys: type-2 windows bound with BIND_MW work requests
+                       ("ibv_access_flags", "IBV_ACCESS_MW_BIND"), ("ibv_wr_opcode", "IBV_WR_BIND_MW"),
+                       ("ibv_mw_type", "IBV_MW_TYPE_2"), ("ibv_device_cap_flags", "IBV_DEVICE_MEM_WINDOW_TYPE_2A"),
+                       ("ibv_device_cap_flags", "IBV_DEVICE_MEM_WINDOW_TYPE_2B")):
         assert isinstance(int(getattr(getattr(e, enum), name)), int)
     assert e.ibv_wc_status(12).name == "IBV_WC_RETRY_EXC_ERR"
     assert "retry" in m["cq"].cqe_status_to_str(12).lower()
@@ -85,6 +89,11 @@ def test_the_qualified_enum_names_rdma_uses_resolve() -> None:
     assert init.sq_sig_all == 1
     assert m["qp"].QPAttr(qp_state=e.ibv_qp_state.IBV_QPS_ERR).qp_state == e.ibv_qp_state.IBV_QPS_ERR
     assert isinstance(e.IBV_LINK_LAYER_ETHERNET, int)  # an anonymous enum: stays module-level
+    bind = m["wr"].SendWR(wr_id=3, opcode=e.ibv_wr_opcode.IBV_WR_BIND_MW,
+                          send_flags=e.ibv_send_flags.IBV_SEND_SIGNALED)  # no SGE: as rdma_verbs builds it
+    assert bind.opcode == e.ibv_wr_opcode.IBV_WR_BIND_MW and hasattr(bind, "set_bind_wr")
+    bind.close()
+    assert hasattr(m["mr"], "MW") and hasattr(m["mr"], "MWBindInfo")
 
 
 def test_asking_for_rdma_without_it_says_why() -> None:

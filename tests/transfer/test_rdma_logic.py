@@ -2,7 +2,7 @@
 
 There is no RDMA hardware here (no device, no InfiniBand support in the kernel). These tests run
 the real RdmaSender/RdmaReceiver (zmq handshake, BEGIN/FINISH with piece digests, the receiver's
-checks, deadlines, fencing) over rdma_loopback.LoopbackVerbs, an in-process stand-in for a NIC
+checks, deadlines, scoped memory keys) over rdma_loopback.LoopbackVerbs, an in-process stand-in for a NIC
 that copies bytes with memmove. They show the transport's bookkeeping is right; they do not show
 that any of it works on a real NIC. The pyverbs adapter is tested with fake pyverbs modules, and
 with the real pyverbs objects where pyverbs imports.
@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -69,33 +69,41 @@ def transfer_again_and_check(pair: Pair, conn: Any, src_ids: list[int], dst_ids:
     assert torch.equal(pair.dst[:, :, dst_ids], pair.src[:, :, src_ids])
 
 
-# --- fencing: nothing lands in blocks after on_done(error) / cancel() ----------------------------
+# --- revoking: nothing lands in blocks after on_done(error) / cancel() ---------------------------
 
 @pytest.mark.parametrize("how", ["receiver-timeout", "cancel"])
-def test_a_failed_reservation_is_fenced_before_its_blocks_are_freed(how: str) -> None:
+def test_a_failed_reservations_keys_are_revoked_before_its_blocks_are_freed(how: str) -> None:
     src_ids, dst_ids = [0, 1, 2], [5, 6, 7]
     with transport_pair(RDMA_LOOPBACK) as pair:
+        theirs, nic = rdma(pair)
         done = DoneWaiter()
-        pair.receiver.expect("req-fenced", dst_ids, 0.5 if how == "receiver-timeout" else 30.0, done)
+        pair.receiver.expect("req-late", dst_ids, 0.5 if how == "receiver-timeout" else 30.0, done)
         conn = pair.sender.connect(pair.receiver.address)
-        transfer = conn.begin("req-fenced", dst_ids, 30.0)
+        transfer = conn.begin("req-late", dst_ids, 30.0)
         transfer.send_layer(0, src_ids)
         assert torch.equal(pair.dst[0, :, dst_ids], pair.src[0, :, src_ids])  # layer 0 landed
+        nic.hold_writes = True  # layer 1's WRITEs are on the wire when the reservation ends
+        transfer.send_layer(1, src_ids)
         if how == "cancel":
-            assert pair.receiver.cancel("req-fenced")
+            assert pair.receiver.cancel("req-late")
         else:
             error = done.wait(5)
             assert error is not None and error.reason == "timeout"
+        assert theirs.keys == {}  # revoked before on_done ran / cancel() returned
         pair.dst[:, :, dst_ids] = 7.0  # the blocks are reused at once, for something else
+        nic.release_writes()
+        nic.hold_writes = False
         with pytest.raises(TransferError):
-            send_all(transfer, src_ids, range(1, TINY_LAYOUT.num_layers))
+            send_all(transfer, src_ids, range(2, TINY_LAYOUT.num_layers))
             transfer.finish()
         assert bool((pair.dst[:, :, dst_ids] == 7.0).all()), "a late RDMA WRITE landed in freed blocks"
-        wait_until(lambda: not conn.alive)  # told to reconnect (or its WRITEs failed)
+        wait_until(lambda: not conn.alive)  # its late WRITEs were refused: RC puts the QP in ERR
+        assert "IBV_WC_REM_ACCESS_ERR" in str(conn._broken)
         transfer_again_and_check(pair, conn, src_ids, [10, 11, 12])
 
 
-def test_other_transfers_of_a_fenced_sender_fail_with_a_clear_reason() -> None:
+def test_revoking_one_reservation_leaves_the_senders_other_transfers_alone() -> None:
+    """A sender that writes nothing more for the transfer that failed keeps its connection."""
     with transport_pair(RDMA_LOOPBACK) as pair:
         waiters = {name: DoneWaiter() for name in ("a", "b")}
         conn = pair.sender.connect(pair.receiver.address)
@@ -104,14 +112,13 @@ def test_other_transfers_of_a_fenced_sender_fail_with_a_clear_reason() -> None:
             pair.receiver.expect(name, [n], 30.0, waiters[name])
             transfers[name] = conn.begin(name, [n], 30.0)
             transfers[name].send_layer(0, [n])
-        pair.receiver.cancel("a")
-        error = waiters["b"].wait(5)
-        assert error is not None and error.reason == "peer_lost" and "fenced" in error.message
-        with pytest.raises(TransferError) as failed:
-            send_all(transfers["b"], [1], range(1, TINY_LAYOUT.num_layers))
-            transfers["b"].finish()
-        assert failed.value.reason == "peer_lost"
-        assert pair.receiver.pending() == []
+        assert pair.receiver.cancel("a")
+        send_all(transfers["b"], [1], range(1, TINY_LAYOUT.num_layers))
+        transfers["b"].finish()
+        assert waiters["b"].wait(5) is None
+        assert torch.equal(pair.dst[:, :, [1]], pair.src[:, :, [1]])
+        assert conn.alive and pair.sender.connect(pair.receiver.address) is conn
+        assert pair.receiver.pending() == [] and rdma(pair)[0].keys == {}
 
 
 def test_the_sender_holds_its_abort_until_its_writes_completed() -> None:
@@ -136,7 +143,7 @@ def test_the_sender_holds_its_abort_until_its_writes_completed() -> None:
         error = done.wait(5)
         assert error is not None and error.reason == "aborted"
         assert landed_at_done == [nic.posted] and nic.posted > 0
-        assert pair.sender.connect(pair.receiver.address).alive  # a plain ABORT: no fencing needed
+        assert pair.sender.connect(pair.receiver.address).alive  # the ABORT came after its WRITEs: no harm done
 
 
 def test_writes_that_never_complete_break_and_fence_the_connection() -> None:
@@ -150,7 +157,7 @@ def test_writes_that_never_complete_break_and_fence_the_connection() -> None:
         nic.hold_writes = True
         transfer.send_layer(0, [0, 1])
         transfer.abort("caller gave up")
-        error = done.wait(5)  # the fencing ABORT, once the drain timed out
+        error = done.wait(5)  # the ABORT, once the drain timed out
         assert error is not None and error.reason == "aborted"
         assert not conn.alive and "did not complete" in str(conn._broken)
         nic.release_writes()  # too late: the QP is in ERR, they are flushed
@@ -166,14 +173,17 @@ def test_an_error_completion_breaks_the_connection_and_connect_makes_a_new_one()
         done = DoneWaiter()
         pair.receiver.expect("req-badkey", [1, 2], 30.0, done)
         conn: Any = pair.sender.connect(pair.receiver.address)
-        conn._rkey ^= 1  # a wrong rkey: the WRITE completes with a remote access error
         transfer = conn.begin("req-badkey", [1, 2], 30.0)
+        transfer.send_layer(0, [0, 1])
+        keys = conn._keys["req-badkey"]  # a wrong rkey: the WRITE completes with a remote access error
+        keys._runs = {first: (count, tuple(k ^ 1 for k in rkeys)) for first, (count, rkeys) in keys._runs.items()}
         with pytest.raises(TransferError) as failed:
-            send_all(transfer, [0, 1])
+            send_all(transfer, [0, 1], range(1, TINY_LAYOUT.num_layers))
             transfer.finish()
         assert failed.value.reason == "invalid_frame" and "IBV_WC_REM_ACCESS_ERR" in failed.value.message
+        assert "refused the memory key" in failed.value.message
         assert not conn.alive
-        error = done.wait(5)  # the fencing ABORT freed the reservation
+        error = done.wait(5)  # the sender's ABORT freed the reservation
         assert error is not None and error.reason == "aborted"
         transfer_again_and_check(pair, conn, [0, 1], [1, 2])
 
@@ -213,7 +223,7 @@ def test_a_receiver_that_cannot_set_up_a_queue_pair_refuses_at_once() -> None:
         assert receiver._qps == {}
 
 
-def test_a_piece_that_changed_in_flight_fails_its_digest_without_fencing() -> None:
+def test_a_piece_that_changed_in_flight_fails_its_digest_and_keeps_the_connection() -> None:
     with transport_pair(RDMA_LOOPBACK) as pair:
         _, nic = rdma(pair)
         done = DoneWaiter()
@@ -229,7 +239,7 @@ def test_a_piece_that_changed_in_flight_fails_its_digest_without_fencing() -> No
         assert corrupt.value.reason == "corrupt_frame"
         error = done.wait(5)
         assert error is not None and error.reason == "corrupt_frame"
-        assert pair.sender.connect(pair.receiver.address) is conn  # FINISH came after the WRITEs: no fence
+        assert pair.sender.connect(pair.receiver.address) is conn  # FINISH came after the WRITEs: no harm done
 
 
 def test_a_finish_before_begin_fails_the_transfer() -> None:
@@ -251,22 +261,114 @@ class PyverbsRDMAError(Exception):
     """Named like pyverbs' own error: the adapter must not let it escape."""
 
 
-def fake_pyverbs(**broken: Any) -> dict[str, Any]:
-    """Fake pyverbs modules: enough of them for PyverbsVerbs' setup; `broken` replaces pieces."""
+MW_2A, MW_2B = 1 << 23, 1 << 24  # ibv_device_cap_flags
+
+
+def fake_pyverbs(cap_flags: int = MW_2B, **broken: Any) -> dict[str, Any]:
+    """Fake pyverbs modules: enough of them for PyverbsVerbs' setup and grants; `broken` replaces pieces."""
     port_attr = SimpleNamespace(link_layer=1, gid_tbl_len=1, active_mtu=5, lid=1)
+    device_attr = SimpleNamespace(device_cap_flags=cap_flags, max_mw=1 << 16 if cap_flags else 0)
     context = SimpleNamespace(query_port=lambda port: port_attr, close=lambda: None,
+                              query_device=lambda: device_attr,
                               query_gid=lambda port, index: SimpleNamespace(gid="fe80:0000:0000:0000:0000:0000:0000:0001"),
                               query_gid_type=lambda port, index: 0)
     enums = SimpleNamespace(IBV_LINK_LAYER_ETHERNET=2,
                             ibv_gid_type_sysfs=SimpleNamespace(IBV_GID_TYPE_SYSFS_ROCE_V2=1),
-                            ibv_access_flags=SimpleNamespace(IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2))
+                            ibv_access_flags=SimpleNamespace(IBV_ACCESS_LOCAL_WRITE=1, IBV_ACCESS_REMOTE_WRITE=2,
+                                                             IBV_ACCESS_MW_BIND=16),
+                            ibv_device_cap_flags=SimpleNamespace(IBV_DEVICE_MEM_WINDOW_TYPE_2A=MW_2A,
+                                                                 IBV_DEVICE_MEM_WINDOW_TYPE_2B=MW_2B),
+                            ibv_mw_type=SimpleNamespace(IBV_MW_TYPE_2=2),
+                            ibv_wr_opcode=SimpleNamespace(IBV_WR_BIND_MW=8),
+                            ibv_send_flags=SimpleNamespace(IBV_SEND_SIGNALED=2),
+                            ibv_wc_status=lambda status: SimpleNamespace(name="IBV_WC_SUCCESS" if status == 0
+                                                                         else "IBV_WC_MW_BIND_ERR"))
+    keys = iter(range(100, 1 << 20))
+
+    def region(pd: Any, n: int, access: int, address: int) -> Any:
+        return SimpleNamespace(lkey=1, rkey=next(keys), access=access, addr=address, length=n, closed=[],
+                               close=lambda: None)
+
+    class Window:
+        made: ClassVar[list[Any]] = []
+
+        def __init__(self, pd: Any, mw_type: int) -> None:
+            self.rkey, self.closed = next(keys) << 8, False  # a type-2 window's key before its first bind
+            Window.made.append(self)
+
+        def close(self) -> None:
+            self.closed = True
+
+    class BindWR:
+        def __init__(self, wr_id: int, opcode: int, send_flags: int) -> None:
+            self.wr_id, self.opcode, self.closed = wr_id, opcode, False
+
+        def set_bind_wr(self, mw: Any, info: Any) -> None:
+            self.rkey, self.info = mw.rkey + 1, info  # set_bind_wr bumps the key's variant byte
+
+        def close(self) -> None:
+            self.closed = True
+
     modules: dict[str, Any] = {
         "device": SimpleNamespace(Context=broken.get("Context", lambda name: context)),
         "pd": SimpleNamespace(PD=lambda ctx: object()),
-        "mr": SimpleNamespace(MR=broken.get("MR", lambda pd, n, access, address: SimpleNamespace(lkey=1, rkey=2))),
+        "mr": SimpleNamespace(MR=broken.get("MR", region), MW=Window,
+                              MWBindInfo=lambda mr, addr, length, access: SimpleNamespace(addr=addr, length=length,
+                                                                                          access=access)),
+        "wr": SimpleNamespace(SendWR=BindWR),
+        "cq": SimpleNamespace(cqe_status_to_str=lambda status: "ok" if status == 0 else "memory window bind error"),
         "enums": enums,
     }
     return modules
+
+
+class _FakeQP:
+    """A receiver QP on the fake device: bind WRs complete with `status` when polled."""
+
+    def __init__(self, status: int = 0) -> None:
+        self.posted: list[Any] = []
+        self.status = status
+        self.qp = SimpleNamespace(post_send=self.posted.append)
+        self.cq = SimpleNamespace(poll=self._poll)
+
+    def _poll(self, num_entries: int) -> tuple[int, list[Any]]:
+        done = self.posted[:num_entries]
+        del self.posted[:num_entries]
+        return len(done), [SimpleNamespace(wr_id=wr.wr_id, status=self.status, vendor_err=0) for wr in done]
+
+
+def test_pyverbs_grants_type2_windows_bound_on_the_peers_qp() -> None:
+    """The calls PyverbsVerbs makes to grant and revoke (fake pyverbs: no device here)."""
+    cache = make_cache(TINY_LAYOUT, 4, random=False)
+    m = fake_pyverbs()
+    verbs = PyverbsVerbs(cache, True, modules=m, device=("mlx5_0", 1))
+    assert verbs.windows and verbs.key_scope == "queue pair"
+    assert verbs.mr.access == 1 | 16  # LOCAL_WRITE | MW_BIND: the pool itself is not remotely writable
+    qp = _FakeQP()
+    ranges = [(verbs.base + 64 * n, 64) for n in range(70)]  # more than one batch of binds
+    rkeys = verbs.grant(qp, ranges)  # type: ignore[arg-type]
+    windows = m["mr"].MW.made
+    assert len(rkeys) == len(windows) == 70 and rkeys == [w.rkey + 1 for w in windows]
+    verbs.revoke(rkeys[:10])
+    assert [w.closed for w in windows] == [True] * 10 + [False] * 60
+    failing = _FakeQP(status=1)
+    with pytest.raises(TransferError) as refused:
+        verbs.grant(failing, ranges[:3])  # type: ignore[arg-type]
+    assert refused.value.reason == "unavailable" and "memory window bind error" in refused.value.message
+    assert all(w.closed for w in windows[70:])  # a failed grant leaves no window behind
+    verbs.close()
+
+
+def test_pyverbs_without_type2_windows_registers_per_range() -> None:
+    cache = make_cache(TINY_LAYOUT, 4, random=False)
+    verbs = PyverbsVerbs(cache, True, modules=fake_pyverbs(cap_flags=0), device=("mlx5_0", 1))
+    assert not verbs.windows and verbs.key_scope == "protection domain" and verbs.mr.access == 1
+    rkeys = verbs.grant(_FakeQP(), [(verbs.base, 64), (verbs.base + 128, 64)])  # type: ignore[arg-type]
+    regions = [verbs._granted[k] for k in rkeys]
+    assert [(r.addr - verbs.base, r.length, r.access) for r in regions] == [(0, 64, 3), (128, 64, 3)]
+    verbs.revoke(rkeys)
+    assert verbs._granted == {}
+    verbs.close()
 
 
 def _raise(*_args: Any, **_kwargs: Any) -> Any:
@@ -276,7 +378,7 @@ def _raise(*_args: Any, **_kwargs: Any) -> Any:
 def test_pyverbs_errors_in_setup_become_transfer_errors() -> None:
     cache = make_cache(TINY_LAYOUT, 4, random=False)
     verbs = PyverbsVerbs(cache, True, modules=fake_pyverbs(), device=("mlx5_0", 1))
-    assert (verbs.gid_index, verbs.lkey, verbs.rkey) == (0, 1, 2) and verbs.tensor is cache
+    assert (verbs.gid_index, verbs.lkey) == (0, 1) and verbs.tensor is cache and not hasattr(verbs, "rkey")
     verbs.close()
     assert verbs.tensor is None
     with pytest.raises(TransferError) as unopened:

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from tandem.worker.transfer import wire
-from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, transport_pair
+from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, raw_zmtp_dealer, transport_pair
 from tandem.worker.transfer.limits import ReceiverLimits, max_part_bytes
 
 OTHER = "127.0.0.2"
@@ -31,29 +31,6 @@ def hello(address: str, ctx: zmq.Context[zmq.Socket[bytes]]) -> zmq.Socket[bytes
                                            "session": uuid.uuid4().hex,
                                            "layout_hash": TINY_LAYOUT.layout_hash()}).encode()])
     return sock
-
-
-def raw_zmtp(port: int) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), source_address=(OTHER, 0))
-    sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 48)
-    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
-    sock.sendall(b"\x04" + bytes([len(body)]) + body)
-    # Wait for zmq's greeting and READY: a message part that arrives while zmq is still sending its own
-    # READY is a protocol error to it (the connection is dropped as a failed handshake, not by a limit).
-    greeting = recv_exactly(sock, 64)
-    assert greeting[:1] == b"\xff" and greeting[10:11] == b"\x03", greeting
-    flags, size = recv_exactly(sock, 2)
-    assert flags == 0x04 and recv_exactly(sock, size).startswith(b"\x05READY")
-    return sock
-
-
-def recv_exactly(sock: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        chunk = sock.recv(n - len(data))
-        assert chunk, "the receiver closed the connection during the ZMTP handshake"
-        data += chunk
-    return data
 
 
 def transfer_once(pair: object, transfer_id: str) -> None:
@@ -88,7 +65,7 @@ def test_max_message_size_is_derived_from_the_layout() -> None:
 def test_an_oversized_part_is_dropped_and_counted_and_others_go_on() -> None:
     with transport_pair("tcp") as pair:
         port = int(pair.receiver.address.rpartition(":")[2])
-        sock = raw_zmtp(port)
+        sock = raw_zmtp_dealer(port, OTHER)
         with pytest.raises(OSError):  # zmq closed it at the size, long before 1 GiB (maybe in the first send)
             sock.sendall(b"\x02" + struct.pack(">Q", 1 << 30) + b"x" * (1 << 20))
             for _ in range(64):
@@ -107,7 +84,7 @@ def test_a_message_of_endless_parts_is_cut_off_and_counted() -> None:
     # must go through meanwhile.
     with transport_pair("tcp", receiver_options={"keep_freed_buffers": False}, keep_freed_buffers=False) as pair:
         port = int(pair.receiver.address.rpartition(":")[2])
-        sock = raw_zmtp(port)
+        sock = raw_zmtp_dealer(port, OTHER)
         sock.settimeout(60)
         flood = threading.Thread(target=sock.sendall, args=(b"\x01\x00" * (1 << 20),), daemon=True)
         flood.start()

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tandem.worker.kv.keys import KVKeys
-from tandem.worker.transfer import TransferError, make_receiver, make_sender
-from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, make_cache
+from tandem.worker.transfer import TransferError
+from tandem.worker.transfer.conformance import TINY_LAYOUT, DoneWaiter, transport_pair
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -25,17 +25,9 @@ KEYS, OTHER = KVKeys.generate(), KVKeys.generate()
 @contextmanager
 def pair(transport: str, receiver_keys: KVKeys | None, sender_keys: KVKeys | None
          ) -> Iterator[tuple[object, object, torch.Tensor, torch.Tensor]]:
-    dst = make_cache(TINY_LAYOUT, 16, random=False)
-    src = make_cache(TINY_LAYOUT, 16, random=True)
-    receiver = make_receiver(transport, TINY_LAYOUT, dst, keys=receiver_keys)
-    try:
-        sender = make_sender(transport, TINY_LAYOUT, src, keys=sender_keys, connect_timeout_s=20)
-        try:
-            yield receiver, sender, src, dst
-        finally:
-            sender.close()
-    finally:
-        receiver.close()
+    with transport_pair(transport, src_blocks=16, dst_blocks=16, receiver_options={"keys": receiver_keys},
+                        keys=sender_keys, connect_timeout_s=20) as p:
+        yield p.receiver, p.sender, p.src, p.dst
 
 
 def test_peers_with_the_same_keys_transfer_intact_blocks(transport: str) -> None:

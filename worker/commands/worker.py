@@ -12,17 +12,19 @@ from tandem.worker import faults
 from tandem.worker.commands.control import control_options, resolve
 from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
 from tandem.worker.hardware import DTYPE_CHOICES, choose
-from tandem.worker.server.config import WorkerConfig
+from tandem.worker.server.config import KV_ENCRYPTIONS, WorkerConfig
 
 log = logging.getLogger("tandem.worker")
 
 
 @click.command("worker", epilog=EPILOG)
 @click.option("--role", type=click.Choice(["prefill", "decode", "both"]), default="both", show_default=True)
-@click.option("--model", "model_dir", required=True, type=click.Path(exists=True, file_okay=False, path_type=Path),
-              help="Hugging Face style model folder.")
+@click.option("--model", "model_arg", required=True,
+              help="Hugging Face style model folder, or a Hub model ORG/NAME[@REVISION] (or hf://NAME[@REVISION]) "
+                   "downloaded into the Hub cache first (HF_TOKEN, HF_HUB_CACHE, HF_HUB_OFFLINE apply; a folder of "
+                   "that name here wins).")
 @click.option("--model-name", "--served-model-name", "model_name", default=None,
-              help="Name served to clients (default: the folder name).")
+              help="Name served to clients (default: the folder name, or the Hub repository id).")
 @click.option("--dtype", type=click.Choice(DTYPE_CHOICES), default="auto", show_default=True,
               help="auto: float32 on CPU; on CUDA the model's config.json dtype (bfloat16 if it says float32).")
 @click.option("--device", default="auto", show_default=True,
@@ -36,6 +38,10 @@ log = logging.getLogger("tandem.worker")
 @click.option("--kv-keys", type=click.Path(file_okay=False, path_type=Path), envvar="TANDEM_KV_KEYS", default=None,
               help="Folder with the model's KV transfer keys (`tandem kv-keys`): encrypt and authenticate KV "
                    "transfers. Every worker of the model needs the same keys. [env: TANDEM_KV_KEYS]")
+@click.option("--kv-encryption", type=click.Choice(KV_ENCRYPTIONS), default="auto", show_default=True,
+              help="KV transfer encryption. aes-gcm: sessions authenticated with the control token, tcp payloads "
+                   "AES-256-GCM; curve: --kv-keys; none: plain. auto: curve with --kv-keys, else aes-gcm with a "
+                   "control token, else none. Every worker of the model needs the same.")
 @click.option("--tensor-parallel", "--tensor-parallel-size", "-tp", "tensor_parallel", type=int, default=1,
               show_default=True, help="Only 1 for now (tensor parallelism is not built yet).")
 @click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
@@ -57,9 +63,9 @@ log = logging.getLogger("tandem.worker")
 @click.option("--log-level", default="info", show_default=True)
 @control_options
 @refuse_unsupported_vllm_flags
-def command(role: str, model_dir: Path, model_name: str | None, dtype: str, device: str, block_size: int,
+def command(role: str, model_arg: str, model_name: str | None, dtype: str, device: str, block_size: int,
             transport: str, host: str, port: int, kv_port: int, kv_host: str | None, kv_keys: Path | None,
-            tensor_parallel: int,
+            kv_encryption: str, tensor_parallel: int,
             max_model_len: int | None, pool: str, layout_hash: str | None, kv_cache_bytes: int | None,
             memory_utilization: float | None, seed: int, max_num_seqs: int, max_num_batched_tokens: int,
             chunked_prefill: bool, prefix_caching: bool,
@@ -68,6 +74,8 @@ def command(role: str, model_dir: Path, model_name: str | None, dtype: str, devi
     """Run one worker: HTTP control API on --port, KV transfer on --kv-port."""
     logging.basicConfig(level=log_level.upper(), format=f"%(asctime)s {role}:{port} %(levelname)s %(name)s: %(message)s")
     control = resolve(control_token_file, insecure_control_api)
+    model_dir, hub_name = _model_folder(model_arg)
+    model_name = model_name or hub_name
     try:
         choice = choose(device, dtype, model_dir)
         log.info("running on %s", choice.describe())
@@ -78,9 +86,25 @@ def command(role: str, model_dir: Path, model_name: str | None, dtype: str, devi
             kv_cache_bytes=kv_cache_bytes, memory_utilization=memory_utilization, seed=seed, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=chunked_prefill, enable_prefix_caching=prefix_caching,
-            drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys, control=control)
+            drain_timeout=drain_timeout, fault=fault, kv_keys=kv_keys, kv_encryption=kv_encryption,
+            control=control)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     from tandem.worker.server.run import run_worker
 
     sys.exit(run_worker(cfg))
+
+
+def _model_folder(value: str) -> tuple[Path, str | None]:
+    """The local folder for --model (a Hub model is downloaded first) and, for a Hub model, its repository id."""
+    from tandem.worker.model.hub import HubError
+    from tandem.worker.model.hub import resolve as resolve_model
+
+    try:
+        folder, hub_name = resolve_model(value, log.info)
+    except HubError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
+    if not folder.is_dir():
+        raise click.BadParameter(f"{folder} is not a folder, and not a Hub repository id (ORG/NAME[@REVISION])",
+                                 param_hint="--model")
+    return folder, hub_name

@@ -8,8 +8,10 @@ from pathlib import Path
 from tandem.worker import faults
 from tandem.worker.kv.keys import KVKeys, KVKeysError
 from tandem.worker.server.control_token import ControlTokens
+from tandem.worker.transfer.sealing import SealSecrets
 
 ROLES = ("prefill", "decode", "both")
+KV_ENCRYPTIONS = ("auto", "aes-gcm", "curve", "none")  # --kv-encryption
 TRANSPORTS = ("auto", "tcp", "rdma")
 
 
@@ -45,9 +47,30 @@ class WorkerConfig:
     max_reservations_per_peer: int = 512
     kv_keys: Path | None = None  # folder with the model's CURVE keypair: secure KV transfer (security.py)
     keys: KVKeys | None = field(init=False, default=None)  # loaded from kv_keys, at start
+    # auto: curve with kv_keys, else aes-gcm (sealing.py, secrets from the control token), else none
+    kv_encryption: str = "auto"
+    seal: SealSecrets | None = field(init=False, default=None)  # set when the encryption in use is aes-gcm
     # The model's worker control token (control_token.py): every route but the probes and /metrics wants it.
     # None only with `tandem worker --insecure-control-api` (the command refuses to start otherwise).
     control: ControlTokens | None = None
+
+    def _resolve_kv_encryption(self) -> str:
+        """The KV encryption in use: what was asked for, with auto resolved; ValueError when it cannot be had."""
+        asked = self.kv_encryption
+        if asked not in KV_ENCRYPTIONS:
+            raise ValueError(f"kv_encryption must be one of {KV_ENCRYPTIONS}, got {asked!r}")
+        if asked == "curve" and self.kv_keys is None:
+            raise ValueError("--kv-encryption curve needs --kv-keys (the model's keypair, `tandem kv-keys`)")
+        if asked in ("aes-gcm", "none") and self.kv_keys is not None:
+            raise ValueError(f"--kv-keys means CURVE; it cannot go with --kv-encryption {asked}")
+        if asked == "aes-gcm" and self.control is None:
+            raise ValueError("--kv-encryption aes-gcm authenticates peers with the control token, and this worker "
+                             "has none (--insecure-control-api)")
+        if asked != "auto":
+            return asked
+        if self.kv_keys is not None:
+            return "curve"
+        return "aes-gcm" if self.control is not None else "none"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -64,6 +87,9 @@ class WorkerConfig:
                 self.keys = KVKeys.load(self.kv_keys)  # fail at start, not when the model has loaded
             except KVKeysError as exc:
                 raise ValueError(f"--kv-keys: {exc}") from None
+        self.kv_encryption = self._resolve_kv_encryption()
+        if self.kv_encryption == "aes-gcm" and self.control is not None:
+            self.seal = SealSecrets.from_tokens(self.control.tokens)
         if not 0.0 < self.max_reserved_share_per_peer <= 1.0:
             raise ValueError(f"max_reserved_share_per_peer must be in (0, 1], got {self.max_reserved_share_per_peer}")
         if self.max_reservations_per_peer < 1:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 import struct
 import threading
 import time
@@ -32,6 +33,7 @@ from tandem.worker.kv.layout import KVLayout
 from . import wire
 from .errors import TransferError
 from .interface import KVReceiver, KVSender
+from .sealing import SealSecrets
 from .select import make_receiver, make_sender
 from .telemetry import TransferTelemetry
 
@@ -40,15 +42,27 @@ TINY_LAYOUT = KVLayout(model="conformance", dtype="float32", block_size=4, num_l
 
 
 RDMA_LOOPBACK = "rdma-loopback"
+SEALED = "-sealed"  # a kind ending so ("tcp-sealed", "rdma-loopback-sealed") runs with sealing on both sides
+CONFORMANCE_SEAL = SealSecrets.from_tokens(["conformance-control-token-0123456789"])
+
+
+def _unseal(kind: str, options: dict[str, Any]) -> str:
+    """The transport kind without the sealed ending; adds the seal to `options` when it had one."""
+    if kind.endswith(SEALED):
+        options.setdefault("seal", CONFORMANCE_SEAL)
+        return kind.removesuffix(SEALED)
+    return kind
 
 
 def transport_label(kind: str) -> str:
     """The `transport` metric label of `kind` (rdma-loopback runs the rdma transport)."""
+    kind = kind.removesuffix(SEALED)
     return "rdma" if kind == RDMA_LOOPBACK else kind
 
 
 def build_receiver(kind: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVReceiver:
-    """make_receiver, plus "rdma-loopback": RdmaReceiver over the emulated NIC."""
+    """make_receiver, plus "rdma-loopback": RdmaReceiver over the emulated NIC (and the -sealed kinds)."""
+    kind = _unseal(kind, options)
     if kind == RDMA_LOOPBACK:
         from .rdma import RdmaReceiver
         from .rdma_loopback import LoopbackVerbs
@@ -58,7 +72,8 @@ def build_receiver(kind: str, layout: KVLayout, kv_cache: torch.Tensor, **option
 
 
 def build_sender(kind: str, layout: KVLayout, kv_cache: torch.Tensor, **options: Any) -> KVSender:
-    """make_sender, plus "rdma-loopback": RdmaSender over the emulated NIC."""
+    """make_sender, plus "rdma-loopback": RdmaSender over the emulated NIC (and the -sealed kinds)."""
+    kind = _unseal(kind, options)
     if kind == RDMA_LOOPBACK:
         from .rdma import RdmaSender
         from .rdma_loopback import LoopbackVerbs
@@ -131,7 +146,7 @@ def transport_pair(kind: str, layout: KVLayout = TINY_LAYOUT, *, src_blocks: int
 def _sender_process(kind: str, address: str, transfer_id: str, dst_ids: list[int], layers: int,
                     pipe: Connection) -> None:
     src = make_cache(TINY_LAYOUT, len(dst_ids), random=True)
-    sender = make_sender(kind, TINY_LAYOUT, src)
+    sender = build_sender(kind, TINY_LAYOUT, src)
     transfer = sender.connect(address).begin(transfer_id, dst_ids, 60.0)
     for layer in range(layers):
         transfer.send_layer(layer, list(range(len(dst_ids))))
@@ -165,7 +180,7 @@ def _reconnecting_sender_process(address: str, pipe: Connection) -> None:
 
 
 def _receiver_process(kind: str, num_blocks: int, pipe: Connection) -> None:
-    receiver = make_receiver(kind, TINY_LAYOUT, make_cache(TINY_LAYOUT, num_blocks, random=False))
+    receiver = build_receiver(kind, TINY_LAYOUT, make_cache(TINY_LAYOUT, num_blocks, random=False))
     pipe.send(receiver.address)
     while True:
         transfer_id, block_ids = pipe.recv()
@@ -207,6 +222,37 @@ def spawn_reconnecting_sender(address: str) -> PeerProcess:
 
 
 # --- a hand-written tcp peer, for frames no real sender would send --------------------------
+
+def raw_zmtp_dealer(port: int, source_host: str, host: str = "127.0.0.1") -> socket.socket:
+    """A plain TCP connection from `source_host` that has completed the ZMTP 3.0 NULL handshake as a DEALER,
+    for a test to send bytes no zmq socket would (a huge part, endless parts).
+
+    It waits for zmq's greeting and READY: a message part that arrives while zmq is still sending its own
+    READY is a protocol error to zmq, which drops the connection as a failed handshake instead of letting
+    the receiver's limits meet it (a race that a loaded machine loses now and then)."""
+    sock = socket.create_connection((host, port), timeout=30, source_address=(source_host, 0))
+    sock.sendall(b"\xff" + b"\0" * 8 + b"\x7f\x03\x00NULL" + b"\0" * 48)
+    body = b"\x05READY\x0bSocket-Type" + struct.pack(">I", 6) + b"DEALER"
+    sock.sendall(b"\x04" + bytes([len(body)]) + body)
+    greeting = _recv_exactly(sock, 64)
+    if greeting[:1] != b"\xff" or greeting[10:11] != b"\x03":
+        raise ConnectionError(f"not a ZMTP 3 greeting: {greeting!r}")
+    flags, size = _recv_exactly(sock, 2)
+    if flags != 0x04 or not _recv_exactly(sock, size).startswith(b"\x05READY"):
+        raise ConnectionError("the receiver did not answer READY")
+    sock.settimeout(None)  # the handshake's bound only: a flood blocks on TCP's push-back, as intended
+    return sock
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            raise ConnectionError("the receiver closed the connection during the ZMTP handshake")
+        data += chunk
+    return data
+
 
 class RawTcpPeer:
     """Speaks the tcp wire protocol directly, so a test can send a damaged or misaddressed frame."""

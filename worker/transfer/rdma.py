@@ -3,29 +3,31 @@
 Same control plane as tcp (zmq: handshake, BEGIN/FINISH/ABORT, deadlines, peer-death
 detection); the blocks themselves move by RDMA WRITE:
 
-- the decode side registers its whole KV-cache tensor as one memory region (a CUDA tensor is
-  registered directly, which needs GPUDirect RDMA: nvidia_peermem loaded) and sends the
-  region's address and rkey plus its QP number, LID, GID (and its index) and active MTU in the
-  handshake reply; both sides use the smaller MTU;
-- the prefill side registers its own cache (the WRITE source), connects an RC QP per
-  connection, waits until the receiver has claimed a transfer for it (an ACK carrying BEGUN_SEQ
-  answers BEGIN), and for each send_layer() posts one WRITE per run of blocks that is contiguous
-  on both sides, straight into the reserved destination blocks (after synchronising the cache's
-  CUDA device, so the NIC never reads blocks the GPU is still writing);
+- the decode side registers its whole KV-cache tensor as one memory region without remote access
+  (a CUDA tensor is registered directly, which needs GPUDirect RDMA: nvidia_peermem loaded) and
+  sends only its QP number, LID, GID (and its index) and active MTU in the handshake reply; both
+  sides use the smaller MTU. No key to the pool ever leaves the receiver;
+- the prefill side registers its own cache (the WRITE source) and connects an RC QP per
+  connection. When the receiver claims a transfer for it (BEGIN), it grants that sender's QP
+  remote-write keys to exactly the reservation's blocks: one range per (layer, K/V) per run of
+  consecutive destination blocks (type-2 memory windows bound on the receiver's QP for that
+  sender, so a key is useless from any other QP; a registration per range where the device has
+  no type-2 windows), sent in the ACKs that answer BEGIN (GRANT parts, then BEGUN);
+- for each send_layer() the sender posts one WRITE per run of blocks contiguous on both sides,
+  straight into the reserved destination blocks, with the key of the range it lands in (after
+  synchronising the cache's CUDA device, so the NIC never reads blocks the GPU is still writing);
 - finish() waits for every WRITE's completion, then sends FINISH over zmq with a digest of every
-  piece. The receiver recomputes the digests over the reserved blocks and only then reports done.
+  piece. The receiver revokes the keys, then recomputes the digests over the reserved blocks and
+  only then reports done (a WRITE after FINISH cannot change verified bytes).
 
-Fencing keeps the API's promise "after on_done(error) or cancel(), nothing more is written into
-those blocks", although the rkey covers the whole pool:
-- sender: a failed transfer's ABORT is held back until all its WRITEs have completed (at most
-  drain_timeout_s, default 3 s). If they do not complete, or any WRITE completes with an error, the
-  connection is broken: its QP moves to ERR and every ABORT it still sends carries "fence", so the
-  receiver fences its side before it frees anything. The next connect() makes a new connection.
-- receiver: when a claimed reservation fails or is cancelled while its sender may still be writing
-  (timeout, cancel(), peer lost, a fencing ABORT: anything but a FINISH or a plain ABORT, both of
-  which the sender sends only once its WRITEs completed), the session's QP is moved to ERR and
-  destroyed *before* on_done runs or cancel() returns. Later WRITEs of that sender fail; its other
-  transfers fail with peer_lost and a message saying so, and the sender is told to reconnect.
+Revoking keeps the API's promise "after on_done(error) or cancel(), nothing more is written into
+those blocks": whenever a reservation ends (FINISH, ABORT, timeout, cancel(), peer lost) its keys
+are invalidated before on_done runs or cancel() returns. A WRITE still on the wire then fails at
+its sender with IBV_WC_REM_ACCESS_ERR, and, RC being RC, both QPs of that connection go to ERR:
+the sender's other transfers on it fail, the next connect() makes a new connection. To spare the
+connection, a sender holds a failed transfer's ABORT until its WRITEs completed (at most
+drain_timeout_s, default 3 s; then it moves its own QP to ERR and sends the ABORT). A key that
+cannot be invalidated (a failing dealloc) gets its sender's QP fenced and destroyed instead.
 
 This module is the transport logic only: it talks to a NIC through the small Verbs interface of
 rdma_verbs.py, whose PyverbsVerbs is the only code that touches pyverbs, and which
@@ -35,6 +37,7 @@ Settings: TANDEM_RDMA_DEVICE, TANDEM_RDMA_GID_INDEX (rdma_probe.py).
 
 from __future__ import annotations
 
+import bisect
 import logging
 import struct
 import threading
@@ -56,10 +59,12 @@ from .errors import (
     PEER_LOST,
     TIMEOUT,
     UNAVAILABLE,
+    VERSION_MISMATCH,
     TransferError,
 )
 from .limits import HEADER_ROOM, ReceiverLimits
-from .rdma_verbs import QP_DEPTH, PyverbsVerbs, VerbsFactory
+from .rdma_verbs import MAX_WINDOW_BYTES, QP_DEPTH, PyverbsVerbs, VerbsFactory
+from .sealing import SealSecrets
 from .tcp_receiver import TcpReceiver
 from .tcp_sender import SILENCE_TIMEOUT_S, OutgoingTransfer, TcpConnection, TcpSender
 from .telemetry import TransferTelemetry
@@ -70,9 +75,13 @@ log = logging.getLogger(__name__)
 
 _POLL_BATCH = 64
 DRAIN_TIMEOUT_S = 3.0
+REASON_GRACE_S = 0.2  # how long a refused WRITE waits for the receiver's own reason before it breaks the QP
 _SEQ = struct.Struct("<Q")
-BEGUN_SEQ = 2**64 - 1  # an ACK with this sequence number: "this transfer is yours, you may WRITE"
-_BEGUN = _SEQ.pack(BEGUN_SEQ)
+BEGUN_SEQ = 2**64 - 1  # an ACK with this sequence number: "this transfer is yours, you may WRITE" (+ keys)
+GRANT_SEQ = 2**64 - 2  # an ACK with this one: more of the transfer's keys (BEGUN follows)
+_BEGUN, _GRANT = _SEQ.pack(BEGUN_SEQ), _SEQ.pack(GRANT_SEQ)
+_KEYS_PER_RESERVATION = "per-reservation"  # in both rdma endpoints: peers from before scoped keys refuse clearly
+_GRANT_BYTES = 256 << 10  # keys per ACK part, well under the sender's MAX_REPLY_BYTES
 
 
 def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -91,26 +100,57 @@ def _offset(layout: KVLayout, num_blocks: int, layer: int, kind: int, block: int
 
 # --- decode side ----------------------------------------------------------------------------
 
+def block_runs(block_ids: list[int], max_blocks: int) -> list[tuple[int, int]]:
+    """(first block, count) for each run of consecutive ids, in sorted order, at most max_blocks long."""
+    runs: list[tuple[int, int]] = []
+    for block in sorted(block_ids):
+        if runs and runs[-1][0] + runs[-1][1] == block and runs[-1][1] < max_blocks:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((block, 1))
+    return runs
+
+
+def grant_messages(transfer_id: str, base: int, runs: list[tuple[int, int]], rkeys: list[int],
+                   num_layers: int) -> list[list[bytes]]:
+    """The ACKs that hand a sender its keys: GRANT parts, then BEGUN (which may carry keys too).
+
+    Each part: the receiver's cache address (u64), then per run its first block and count (u32 each)
+    and its 2 * num_layers keys (u32, in layer-major K/V order, as the cache)."""
+    per_run = 2 * num_layers
+    record = 8 + 4 * per_run
+    runs_per_part = max(1, _GRANT_BYTES // record)
+    head, tid = _SEQ.pack(base), transfer_id.encode()
+    parts = []
+    for first in range(0, max(len(runs), 1), runs_per_part):
+        body = [head]
+        for n in range(first, min(first + runs_per_part, len(runs))):
+            body.append(struct.pack(f"<II{per_run}I", *runs[n], *rkeys[n * per_run:(n + 1) * per_run]))
+        parts.append([wire.ACK, tid, _GRANT, b"".join(body)])
+    parts[-1][2] = _BEGUN
+    return parts
+
+
 class RdmaReceiver(TcpReceiver):
-    """Decode side: registers kv_cache, lets senders WRITE into reservations, verifies at FINISH."""
+    """Decode side: registers kv_cache, grants each claimed reservation's sender keys to exactly its
+    blocks, verifies at FINISH, revokes the keys before the blocks are given back."""
 
     transport = "rdma"
 
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
                  keep_freed_buffers: bool = True, keys: KVKeys | None = None,
-                 verbs_factory: VerbsFactory | None = None, limits: ReceiverLimits | None = None) -> None:
+                 verbs_factory: VerbsFactory | None = None, limits: ReceiverLimits | None = None,
+                 seal: SealSecrets | None = None) -> None:
         check_cache(layout, kv_cache)  # before anything is registered
         self._verbs = (verbs_factory or PyverbsVerbs)(kv_cache, True)
-        self._rdma_lock = threading.Lock()  # _qps, _fenced, _fence_queue: the I/O thread and cancel()
+        self._rdma_lock = threading.Lock()  # _qps, _grants, every verb: the I/O thread and cancel()
         self._qps: dict[str, Any] = {}  # session -> its QP
-        self._fenced: dict[str, str] = {}  # session -> why it was fenced (until the sender disconnects)
-        self._fence_queue: list[tuple[str, str]] = []  # fenced sessions whose other transfers must fail
-        self._sender_quiet: set[str] = set()  # transfers whose FINISH / plain ABORT is being handled
-        self._fenced_transfers: dict[str, str] = {}  # transfer -> why its sender was fenced (for its FAILED)
+        self._grants: dict[str, tuple[str, list[int]]] = {}  # transfer -> (its session, the keys it holds)
+        self._unit = layout.bytes_per_block_layer_kv
         try:
             super().__init__(layout, kv_cache, host=host, port=port, layout_tag=layout_tag, telemetry=telemetry,
-                             keep_freed_buffers=keep_freed_buffers, keys=keys, limits=limits)
+                             keep_freed_buffers=keep_freed_buffers, keys=keys, limits=limits, seal=seal)
         except BaseException:
             self._verbs.close()
             raise
@@ -122,9 +162,13 @@ class RdmaReceiver(TcpReceiver):
         return max(super()._max_part_bytes(), 2 * self.layout.num_layers * self.num_blocks * piece + HEADER_ROOM)
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
+        """Only the QP's endpoint: memory keys come per reservation, when the sender begins it."""
         remote = peer.get("rdma")
         if not isinstance(remote, dict):
             raise TransferError(UNAVAILABLE, "the sender sent no RDMA endpoint in its handshake")
+        if remote.get("keys") != _KEYS_PER_RESERVATION:
+            raise TransferError(VERSION_MISMATCH, "the rdma sender expects a key to the whole KV pool (an older "
+                                "Tandem); this receiver grants keys per reservation: run one version on every worker")
         with self._rdma_lock:
             qp = None
             try:
@@ -139,12 +183,13 @@ class RdmaReceiver(TcpReceiver):
                 raise TransferError(UNAVAILABLE, f"cannot set up an RDMA queue pair for this sender: "
                                     f"{type(exc).__name__}: {exc}") from exc
             self._qps[session_id] = qp
-        return {"rdma": {**endpoint, "addr": self._verbs.base, "rkey": self._verbs.rkey}}
+        return {"rdma": {**endpoint, "keys": _KEYS_PER_RESERVATION}}
 
     def _session_closed(self, session_id: str) -> None:
         with self._rdma_lock:
+            for transfer_id in [t for t, (session, _keys) in self._grants.items() if session == session_id]:
+                self._revoke_locked(transfer_id)
             qp = self._qps.pop(session_id, None)
-            self._fenced.pop(session_id, None)
             if qp is not None:
                 self._verbs.close_qp(qp)
 
@@ -152,83 +197,77 @@ class RdmaReceiver(TcpReceiver):
         super().close()
         with self._rdma_lock:
             self._qps.clear()
-            self._verbs.close()  # destroys every QP, then the region
+            self._grants.clear()
+            self._verbs.close()  # destroys every window, QP, then the region
 
     def _on_transfer_control(self, identity: bytes, kind: bytes, msg: dict[str, object]) -> None:
-        session_id = self._identity_session.get(identity)
-        with self._rdma_lock:
-            fenced = self._fenced.get(session_id or "")
-        transfer_id = str(msg.get("transfer_id"))
-        if fenced is not None:
-            self._send(self._control_identity(identity), self._fenced_msg(transfer_id, fenced))
-            return
-        # FINISH and a plain ABORT come only after the sender's WRITEs completed: no fence needed.
-        quiet = kind == wire.FINISH or (kind == wire.ABORT and not msg.get("fence"))
-        if quiet:
-            self._sender_quiet.add(transfer_id)
-        try:
-            super()._on_transfer_control(identity, kind, msg)
-        finally:
-            self._sender_quiet.discard(transfer_id)
+        super()._on_transfer_control(identity, kind, msg)
         if kind == wire.BEGIN:
+            self._grant(identity, str(msg.get("transfer_id")))
+
+    def _grant(self, identity: bytes, transfer_id: str) -> None:
+        """The reservation is this sender's now: grant its QP keys to exactly these blocks, and say so."""
+        session_id = self._identity_session.get(identity)
+        layers = self.layout.num_layers
+        with self._rdma_lock:  # cancel() revokes under it too: a key is never granted to a reservation gone
             with self._lock:
                 reservation = self._reservations.get(transfer_id)
-            if reservation is not None and reservation.session == session_id:
-                self._send(self._control_identity(identity), [wire.ACK, transfer_id.encode(), _BEGUN])
+            if reservation is None or reservation.session != session_id or not reservation.begin_seen:
+                return  # BEGIN was refused (and answered), or the reservation already ended
+            qp = self._qps.get(session_id or "")
+            runs = block_runs(reservation.block_ids, max(1, MAX_WINDOW_BYTES // self._unit))
+            ranges = [(self._verbs.base + _offset(self.layout, self.num_blocks, layer, kind, first), count * self._unit)
+                      for first, count in runs for layer in range(layers) for kind in (wire.K, wire.V)]
+            error: TransferError | None = None
+            if qp is None:
+                error = TransferError(PEER_LOST, "this sender's queue pair is gone: reconnect", transfer_id)
+            else:
+                try:
+                    rkeys = self._verbs.grant(qp, ranges)
+                    self._grants[transfer_id] = (session_id or "", rkeys)
+                except TransferError as exc:
+                    error = TransferError(exc.reason, f"cannot grant memory keys for the reservation: {exc.message}",
+                                          transfer_id)
+        if error is not None:
+            self._fail(reservation, error, self._control_identity(identity))
+            return
+        for message in grant_messages(transfer_id, self._verbs.base, runs, rkeys, layers):
+            self._send(self._control_identity(identity), message)
+
+    def _revoke(self, transfer_id: str) -> None:
+        with self._rdma_lock:
+            self._revoke_locked(transfer_id)
+
+    def _revoke_locked(self, transfer_id: str) -> None:
+        """Invalidate a reservation's keys; if that fails, its sender's QP is fenced and destroyed instead."""
+        granted = self._grants.pop(transfer_id, None)
+        if granted is None:
+            return
+        session_id, rkeys = granted
+        try:
+            self._verbs.revoke(rkeys)
+        except TransferError as exc:
+            log.error("KV receiver %s: %s; destroying the sender's queue pair instead", self.address, exc.message)
+            qp = self._qps.pop(session_id, None)
+            if qp is not None:
+                try:
+                    self._verbs.fence(qp)
+                finally:
+                    self._verbs.close_qp(qp)
 
     def _reservation_ended(self, reservation: Reservation, error: TransferError) -> None:
-        """Fence the sender's QP if it may still be writing into these blocks (see the docstring)."""
-        session_id = reservation.session
-        if session_id is None or reservation.transfer_id in self._sender_quiet:
-            return  # unclaimed: no sender was told it may write; quiet: its WRITEs all completed
-        why = f"transfer {reservation.transfer_id} failed here ({error.reason}) while the sender could still write"
-        with self._rdma_lock:
-            qp = self._qps.pop(session_id, None)
-            if qp is None:
-                return  # already fenced, or the session is gone (its QP destroyed)
-            try:
-                self._verbs.fence(qp)
-            except TransferError as exc:
-                log.error("KV receiver: could not move a queue pair to ERR (%s); destroying it", exc.message)
-            self._verbs.close_qp(qp)
-            self._fenced[session_id] = why
-            self._fence_queue.append((session_id, why))
-            self._fenced_transfers[reservation.transfer_id] = why
-        log.warning("KV receiver %s fenced an rdma sender: %s", self.address, why)
-        self._wakeup.set()  # the I/O thread fails the session's other transfers
+        """Failed or cancelled (before on_done runs / cancel() returns): its keys die first, so no WRITE
+        still on the wire lands in blocks that are about to be freed; it fails at its sender instead."""
+        self._revoke(reservation.transfer_id)
 
-    def _expire(self) -> None:
-        super()._expire()
-        while True:
-            with self._rdma_lock:
-                if not self._fence_queue:
-                    return
-                session_id, why = self._fence_queue.pop(0)
-            session = self._sessions.get(session_id)
-            with self._rdma_lock:
-                self._fenced_transfers.clear()  # their FAILED went out (or none will: cancel())
-            if session is not None:
-                self._send(session.control, self._fenced_msg("", why))
-            with self._lock:
-                others = [r for r in self._reservations.values() if r.session == session_id]
-            for reservation in others:
-                self._fail(reservation, TransferError(PEER_LOST, f"the sender's rdma connection was fenced: {why}",
-                                                      reservation.transfer_id), None)
-
-    def _failed_msg(self, transfer_id: str, error: TransferError) -> list[bytes]:  # type: ignore[override]
-        """FAILED; for the transfer that got its sender fenced, saying so (the sender reconnects at once)."""
-        with self._rdma_lock:
-            why = self._fenced_transfers.pop(transfer_id, None)
-        if why is None:
-            return super()._failed_msg(transfer_id, error)
-        return wire.encode_control(wire.FAILED, {"transfer_id": transfer_id, **error.to_wire(), "fenced": True})
-
-    @staticmethod
-    def _fenced_msg(transfer_id: str, why: str) -> list[bytes]:
-        return wire.encode_control(wire.FAILED, {"transfer_id": transfer_id, "reason": PEER_LOST, "fenced": True,
-                                                 "message": f"this rdma connection was fenced ({why}); reconnect"})
+    def _complete(self, reservation: Reservation) -> None:
+        self._revoke(reservation.transfer_id)  # already done at FINISH; here for any other way of completing
+        super()._complete(reservation)
 
     def _on_finish(self, reservation: Reservation, msg: dict[str, object]) -> None:
+        # The sender promises its WRITEs are done: its keys go first, so the bytes verified below
+        # are the bytes the decode side will use (a WRITE after FINISH cannot change them).
+        self._revoke(reservation.transfer_id)
         if not reservation.begin_seen:  # a sender WRITEs only after BEGIN was answered; BEGIN names the prompt
             self._fail(reservation, TransferError(INVALID_FRAME, "FINISH before BEGIN", reservation.transfer_id),
                        None)
@@ -265,6 +304,50 @@ class RdmaReceiver(TcpReceiver):
 
 # --- prefill side ---------------------------------------------------------------------------
 
+class GrantedKeys:
+    """The keys a receiver granted for one transfer: per run of destination blocks, one per (layer, K/V)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.per_run = 2 * num_layers
+        self.base = 0
+        self._firsts: list[int] = []  # sorted first blocks of the runs
+        self._runs: dict[int, tuple[int, tuple[int, ...]]] = {}  # first block -> (count, keys)
+
+    def add(self, part: bytes) -> None:
+        """One ACK part of grant_messages()."""
+        record = struct.Struct(f"<II{self.per_run}I")
+        if len(part) < _SEQ.size or (len(part) - _SEQ.size) % record.size:
+            raise ValueError(f"{len(part)} bytes is not an address and whole runs of {self.per_run} keys")
+        self.base = _SEQ.unpack_from(part)[0]
+        for first, count, *keys in record.iter_unpack(part[_SEQ.size:]):
+            bisect.insort(self._firsts, first)
+            self._runs[first] = (count, tuple(keys))
+
+    def rkey(self, layer: int, kind: int, first: int, count: int, transfer_id: str) -> int:
+        """The key of the granted range [first, first + count) lies in (blocks, one layer's K or V)."""
+        pieces = self.split(layer, kind, first, count, transfer_id)
+        if len(pieces) != 1:
+            raise TransferError(INVALID_FRAME, f"blocks {first}..{first + count - 1} span {len(pieces)} granted "
+                                "ranges", transfer_id)
+        return pieces[0][2]
+
+    def split(self, layer: int, kind: int, first: int, count: int, transfer_id: str) -> list[tuple[int, int, int]]:
+        """(first block, count, key) per granted range that [first, first + count) falls in: one, unless
+        the receiver split a long run (a window covers at most MAX_WINDOW_BYTES)."""
+        pieces, end = [], first + count
+        while first < end:
+            at = bisect.bisect_right(self._firsts, first) - 1
+            run_first = self._firsts[at] if at >= 0 else -1
+            run_count, keys = self._runs.get(run_first, (0, ()))
+            if first >= run_first + run_count:
+                raise TransferError(INVALID_FRAME, f"the receiver granted no key covering blocks {first}.."
+                                    f"{end - 1}", transfer_id)
+            take = min(end, run_first + run_count) - first
+            pieces.append((first, take, keys[layer * 2 + kind]))
+            first += take
+        return pieces
+
+
 class RdmaConnection(TcpConnection):
     """One RC QP to a receiver; the zmq socket carries only control messages.
 
@@ -285,6 +368,7 @@ class RdmaConnection(TcpConnection):
         self._held: dict[str, tuple[dict[str, Any], float]] = {}  # ABORTs waiting for WRITEs (body, until)
         self._pieces: dict[str, list[list[Any]]] = {}
         self._begun: set[str] = set()  # transfers the receiver claimed for us
+        self._keys: dict[str, GrantedKeys] = {}  # transfer -> the keys the receiver granted for its blocks
         self._peer_gone = False
         self._qp = self._verbs.new_qp(True)
         try:
@@ -294,16 +378,18 @@ class RdmaConnection(TcpConnection):
             raise
 
     def _hello_extra(self) -> dict[str, Any]:
-        return {"rdma": self._verbs.endpoint(self._qp)}
+        return {"rdma": {**self._verbs.endpoint(self._qp), "keys": _KEYS_PER_RESERVATION}}
 
     def _on_welcome(self, reply: dict[str, Any]) -> None:
         remote = reply.get("rdma")
         if not isinstance(remote, dict):
             raise TransferError(UNAVAILABLE, f"the receiver at {self.address} is not an rdma receiver")
+        if remote.get("keys") != _KEYS_PER_RESERVATION:
+            raise TransferError(VERSION_MISMATCH, f"the rdma receiver at {self.address} hands out a key to its whole "
+                                "KV pool (an older Tandem); run one version on every worker")
         try:
             with self._qp_lock:
                 self._verbs.connect(self._qp, remote)
-            self._remote_base, self._rkey = int(remote["addr"]), int(remote["rkey"])
         except (KeyError, TypeError, ValueError) as exc:
             raise TransferError(UNAVAILABLE, f"the receiver at {self.address} sent a malformed RDMA endpoint: "
                                 f"{exc!r}") from exc
@@ -313,7 +399,12 @@ class RdmaConnection(TcpConnection):
 
     def transmit(self, transfer: OutgoingTransfer, layer: int, src: list[int], dst: list[int]) -> None:
         tid = transfer.transfer_id
+        # A receiver that gave up on this transfer has revoked its keys: hear that before posting, so the
+        # transfer fails with the receiver's reason instead of a refused WRITE that breaks the connection.
+        self.poll_replies()
         with self.cv:
+            if transfer._state.error is not None:
+                raise transfer._state.error
             begun = tid in self._begun
         if not begun:
             self.wait(transfer, lambda _state: tid in self._begun, "before the receiver accepted the transfer")
@@ -327,10 +418,19 @@ class RdmaConnection(TcpConnection):
 
     def _write(self, transfer: OutgoingTransfer, layer: int, kind: int, src: list[int], dst: list[int]) -> None:
         unit = self.layout.bytes_per_block_layer_kv
-        for s_first, d_first, count in paired_runs(src, dst):
-            wr_id = self._post_slot(transfer)
-            self._post(transfer, wr_id, self._local_base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
-                       count * unit, self._remote_base + _offset(self.layout, self.remote_blocks, layer, kind, d_first))
+        with self.cv:
+            keys = self._keys.get(transfer.transfer_id)
+        if keys is None:
+            raise transfer._state.error or TransferError(INVALID_FRAME, "the receiver granted no memory keys",
+                                                         transfer.transfer_id)
+        for s_run, d_run, run_count in paired_runs(src, dst):
+            for d_first, count, rkey in keys.split(layer, kind, d_run, run_count, transfer.transfer_id):
+                s_first = s_run + d_first - d_run
+                wr_id = self._post_slot(transfer)
+                self._post(transfer, wr_id,
+                           self._local_base + _offset(self.layout, self.local_blocks, layer, kind, s_first),
+                           count * unit, keys.base + _offset(self.layout, self.remote_blocks, layer, kind, d_first),
+                           rkey)
         payload = read_blocks(self.kv_cache, layer, kind, src)
         with self.cv:
             seq = len(self._pieces.get(transfer.transfer_id, ()))
@@ -354,14 +454,14 @@ class RdmaConnection(TcpConnection):
                     return self._next_wr
             self._wait_a_little(transfer, "waiting for RDMA completions")
 
-    def _post(self, transfer: OutgoingTransfer, wr_id: int, local: int, length: int, remote: int) -> None:
+    def _post(self, transfer: OutgoingTransfer, wr_id: int, local: int, length: int, remote: int, rkey: int) -> None:
         failure: TransferError | None = None
         with self._qp_lock:
             refused = transfer._state.error or self._broken or (
                 TransferError(CLOSED, "the connection is closed", transfer.transfer_id) if self._qp_closed else None)
             if refused is None:
                 try:
-                    self._verbs.post_write(self._qp, wr_id, local, length, remote, self._rkey)
+                    self._verbs.post_write(self._qp, wr_id, local, length, remote, rkey)
                     return
                 except TransferError as exc:
                     failure = exc
@@ -404,10 +504,15 @@ class RdmaConnection(TcpConnection):
                 completions = self._verbs.poll(self._qp, _POLL_BATCH)
             except TransferError as exc:
                 completions, failure = [], exc
+        if any(c.reason is not None for c in completions):
+            self._await_receivers_reason([c.wr_id for c in completions if c.reason is not None])
         with self.cv:
             bad = next((c for c in completions if c.reason is not None), None)
-            if bad is not None:  # before any held ABORT is released: those must now fence
-                failure = TransferError(bad.reason or PEER_LOST, f"an RDMA WRITE to {self.address} failed: {bad.status}")
+            if bad is not None:  # before any held ABORT is released: the QP is in ERR now
+                hint = (" (the receiver refused the memory key: outside the blocks it was granted for, revoked, "
+                        "or used from another queue pair)" if "IBV_WC_REM_ACCESS_ERR" in bad.status else "")
+                failure = TransferError(bad.reason or PEER_LOST,
+                                        f"an RDMA WRITE to {self.address} failed: {bad.status}{hint}")
                 self._break_locked(failure)
             for completion in completions:
                 self._write_done_locked(completion.wr_id)
@@ -416,6 +521,20 @@ class RdmaConnection(TcpConnection):
         if failure is not None:
             self._break(failure)
         return len(completions)
+
+    def _await_receivers_reason(self, wr_ids: list[int]) -> None:
+        """A refused WRITE usually means the receiver ended its reservation (deadline, cancel) and revoked
+        its keys; its FAILED, sent just before, names the cause better than the access error. Wait for it
+        briefly (REASON_GRACE_S), for WRITEs of transfers that are still pending here only."""
+        until = time.monotonic() + REASON_GRACE_S
+        while True:
+            self.poll_replies()
+            with self.cv:
+                owners = [self._outstanding.get(wr_id) for wr_id in wr_ids]
+                waiting = any(o is not None and o._state.error is None and not o._state.done for o in owners)
+            if not waiting or time.monotonic() >= until:
+                return
+            time.sleep(0.002)
 
     def _write_done_locked(self, wr_id: int) -> None:
         owner = self._outstanding.pop(wr_id, None)
@@ -433,7 +552,7 @@ class RdmaConnection(TcpConnection):
 
     def _queue_abort_locked(self, body: dict[str, Any]) -> None:
         if not self._peer_gone:
-            self._outbox.append(wire.encode_control(wire.ABORT, body))
+            self._outbox.append(self.control(wire.ABORT, body))
             self._wakeup.set()
 
     def _fail_locked(self, transfer: OutgoingTransfer, error: TransferError, tell_receiver: bool) -> None:
@@ -445,10 +564,9 @@ class RdmaConnection(TcpConnection):
         if not tell_receiver:
             return
         body: dict[str, Any] = {"transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}
-        if self._broken is not None:  # our QP is fenced; the receiver must fence its side before freeing
-            body["fence"] = True
+        if self._broken is not None:  # our QP is in ERR: nothing of ours can land any more
             self._queue_abort_locked(body)
-        elif self._writes.get(transfer.transfer_id):
+        elif self._writes.get(transfer.transfer_id):  # else the receiver's revoke would fail them, and break us
             self._held[transfer.transfer_id] = (body, time.monotonic() + self._drain_s)
             self._wakeup.set()  # the I/O thread reaps until they complete
         else:
@@ -457,6 +575,7 @@ class RdmaConnection(TcpConnection):
     def _release_locked(self, transfer: OutgoingTransfer) -> None:
         super()._release_locked(transfer)
         self._begun.discard(transfer.transfer_id)
+        self._keys.pop(transfer.transfer_id, None)
 
     def _break_locked(self, error: TransferError) -> None:
         """The QP is unusable (error completion, WRITEs that never completed, a fencing receiver):
@@ -465,7 +584,6 @@ class RdmaConnection(TcpConnection):
             log.error("KV sender: rdma connection to %s broken: %s", self.address, error.message)
             self._broken = error
         for body, _until in self._held.values():
-            body["fence"] = True
             self._queue_abort_locked(body)
         self._held.clear()
         for transfer in list(self._transfers.values()):
@@ -494,25 +612,28 @@ class RdmaConnection(TcpConnection):
     # --- control replies and the I/O thread -----------------------------------------------------
 
     def _on_reply(self, parts: list[bytes]) -> None:
-        if parts[0] == wire.ACK and len(parts) == 3 and parts[2] == _BEGUN:
+        if parts[0] == wire.ACK and len(parts) == 4 and parts[2] in (_GRANT, _BEGUN):
+            transfer_id = parts[1].decode(errors="replace")
             with self.cv:
-                transfer_id = parts[1].decode(errors="replace")
-                if transfer_id in self._transfers:
-                    self._begun.add(transfer_id)
+                transfer = self._transfers.get(transfer_id)
+                if transfer is None:
+                    return  # already over here: its keys die with its reservation
+                try:
+                    self._keys.setdefault(transfer_id, GrantedKeys(self.layout.num_layers)).add(parts[3])
+                except ValueError as exc:
+                    self._fail_locked(transfer, TransferError(INVALID_FRAME, f"the receiver at {self.address} "
+                                      f"sent malformed memory keys: {exc}", transfer_id), True)
+                else:
+                    if parts[2] == _BEGUN:
+                        self._begun.add(transfer_id)
                 self.cv.notify_all()
             return
-        if parts[0] == wire.FAILED and len(parts) == 2:
-            msg = wire.decode_control(parts[1])
-            if msg.get("fenced"):
-                super()._on_reply(parts)  # the transfer it names fails with the receiver's reason
-                self._break(TransferError(PEER_LOST, f"the KV receiver at {self.address} fenced this rdma "
-                                          f"connection: {msg.get('message', '')}"))
-                return
         super()._on_reply(parts)
 
     @property
     def alive(self) -> bool:
-        self.poll_replies()  # a fencing notice that already arrived counts
+        self.poll_replies()
+        self._reap()  # a refused WRITE whose transfer had already failed still leaves the QP in ERR
         return super().alive
 
     def _peer_lost(self, why: str = "closed the connection") -> None:
@@ -571,6 +692,7 @@ class RdmaSender(TcpSender):
                  frame_bytes: int = 2 << 20, connect_timeout_s: float = 5.0,
                  silence_timeout_s: float = SILENCE_TIMEOUT_S,
                  telemetry: TransferTelemetry | None = None, keys: KVKeys | None = None,
+                 seal: SealSecrets | None = None,
                  verbs_factory: VerbsFactory | None = None, drain_timeout_s: float = DRAIN_TIMEOUT_S,
                  **_tcp_only: Any) -> None:
         check_cache(layout, kv_cache)  # before anything is registered
@@ -579,7 +701,7 @@ class RdmaSender(TcpSender):
         try:
             super().__init__(layout, kv_cache, layout_tag=layout_tag, streams=1, frame_bytes=frame_bytes,
                              connect_timeout_s=connect_timeout_s, silence_timeout_s=silence_timeout_s,
-                             telemetry=telemetry, keys=keys)
+                             telemetry=telemetry, keys=keys, seal=seal)
         except BaseException:
             self.verbs.close()
             raise

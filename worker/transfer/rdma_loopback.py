@@ -7,9 +7,18 @@ against this stand-in: LoopbackVerbs implements rdma_verbs.Verbs inside one proc
 What it does:
 - queue pairs get process-unique numbers and connect by number, only to queue pairs created in
   this same process (an endpoint from another process is unknown: connect() fails);
+- the registered cache gives no remote access; grant(qp, ranges) makes one key per range, bound
+  to that QP as a type-2 memory window is (or, with memory_windows=False, the fallback of a
+  registration per range: bound to the "protection domain", so any QP of this receiver may use it);
+  revoke() invalidates keys at once;
 - a WRITE on a connected QP copies the bytes with ctypes.memmove from the sender's registered
-  tensor into the receiver's, after checking the rkey, REMOTE_WRITE access and that both ranges
-  lie inside the registered regions; its completion goes to the QP's completion queue;
+  tensor into the receiver's, after checking that its rkey is a live key granted to the QP it
+  arrives on (windows) and that the key's range covers the whole WRITE, and that the local range
+  lies inside the sender's region; its completion goes to the QP's completion queue;
+- a WRITE with any other key (the whole pool's, another reservation's, one copied to another QP,
+  a revoked one, or one covering only part of the range) lands nothing: it completes with
+  IBV_WC_REM_ACCESS_ERR, and as on RC both QPs go to ERR (the requester on the error completion,
+  the responder on the access violation, where hardware raises IBV_EVENT_QP_ACCESS_ERR);
 - a WRITE towards a QP that was fenced (ERR), destroyed or never connected back does not land:
   it completes with IBV_WC_RETRY_EXC_ERR after `retry_timeout_s` (on hardware the responder drops
   it and the requester's retries run out), and like RC the sending QP then goes to ERR, so its
@@ -18,7 +27,8 @@ What it does:
   look at the moments while WRITEs are outstanding; fence() and close_qp() flush held WRITEs.
 
 What it does not model: timing and bandwidth, partial placement, PSN/GID/MTU semantics (only
-exchanged and checked for presence), CUDA memory (CUDA tensors are refused), memory pinning.
+exchanged and checked for presence), CUDA memory (CUDA tensors are refused), memory pinning, the
+cost of binding windows (binds complete at once here) and the 2 GiB per-window limit of mlx5.
 """
 
 from __future__ import annotations
@@ -58,6 +68,13 @@ class _Write:
     rkey: int
 
 
+@dataclass(frozen=True)
+class _Window:
+    qp: _QueuePair | None  # the QP it is bound to (a type-2 window); None: any QP of the region's owner
+    addr: int
+    length: int
+
+
 @dataclass
 class _QueuePair:
     verbs: LoopbackVerbs
@@ -74,14 +91,19 @@ class LoopbackVerbs:
     """rdma_verbs.Verbs over an in-process emulated network (see the module docstring): tests only."""
 
     def __init__(self, kv_cache: torch.Tensor, remote_write: bool, *, mtu: int = 5,
-                 retry_timeout_s: float = 0.2) -> None:
+                 retry_timeout_s: float = 0.2, memory_windows: bool = True) -> None:
         if kv_cache.is_cuda:
             raise TransferError(UNAVAILABLE, "the emulated NIC copies host memory only")
         self.tensor = kv_cache  # keeps the "registered" memory alive, as the real adapter does
         self.base = kv_cache.data_ptr()
         self.nbytes = kv_cache.numel() * kv_cache.element_size()
         self.remote_write = remote_write
-        self.lkey, self.rkey = random.getrandbits(32), random.getrandbits(32)
+        self.lkey = random.getrandbits(32)
+        self.windows = memory_windows
+        self.key_scope = "queue pair" if memory_windows else "protection domain"
+        self.keys: dict[int, _Window] = {}  # live granted keys
+        self.granted = 0  # keys granted so far (windows bound, or ranges registered)
+        self.revoked = 0
         self.mtu, self.retry_timeout_s = mtu, retry_timeout_s
         self.hold_writes = False
         self.posted = 0  # WRITEs posted on this side's QPs
@@ -127,6 +149,33 @@ class LoopbackVerbs:
             else:
                 self._execute(qp, write)
 
+    def grant(self, qp: _QueuePair, ranges: list[tuple[int, int]]) -> list[int]:
+        with _lock:
+            if not self.remote_write:
+                raise TransferError(UNAVAILABLE, "emulated NIC: this region was registered without remote access")
+            if self.windows and qp.state != "RTS":  # a bind is a work request on that QP: it flushes in ERR
+                raise TransferError(UNAVAILABLE, f"emulated NIC: cannot bind a memory window on a queue pair in "
+                                    f"state {qp.state}")
+            for addr, length in ranges:
+                if length <= 0 or not self.base <= addr <= addr + length <= self.base + self.nbytes:
+                    raise TransferError(UNAVAILABLE, f"emulated NIC: range {addr:#x}+{length} is not inside the "
+                                        "registered region")
+            rkeys = []
+            for addr, length in ranges:
+                rkey = random.getrandbits(32)
+                while rkey in self.keys or rkey == self.lkey:
+                    rkey = random.getrandbits(32)
+                self.keys[rkey] = _Window(qp if self.windows else None, addr, length)
+                rkeys.append(rkey)
+            self.granted += len(rkeys)
+            return rkeys
+
+    def revoke(self, rkeys: list[int]) -> None:
+        with _lock:
+            for rkey in rkeys:
+                if self.keys.pop(rkey, None) is not None:
+                    self.revoked += 1
+
     def release_writes(self) -> None:
         """Let held WRITEs reach their target (in order), as the wire would."""
         with _lock:
@@ -143,9 +192,11 @@ class LoopbackVerbs:
         if target is None or target.state != "RTS" or target.remote_qpn != qp.qpn:
             self._complete(qp, write, "IBV_WC_RETRY_EXC_ERR", delay=self.retry_timeout_s)
             return
-        region = target.verbs
-        inside = region.base <= write.remote_addr <= write.remote_addr + write.length <= region.base + region.nbytes
-        if write.rkey != region.rkey or not region.remote_write or not inside:
+        window = target.verbs.keys.get(write.rkey)
+        allowed = window is not None and window.qp in (None, target) and (
+            window.addr <= write.remote_addr <= write.remote_addr + write.length <= window.addr + window.length)
+        if not allowed:
+            target.state = "ERR"  # the responder's QP: an access violation is fatal to it too (RC)
             self._complete(qp, write, "IBV_WC_REM_ACCESS_ERR")
             return
         ctypes.memmove(write.remote_addr, write.local_addr, write.length)
@@ -186,6 +237,7 @@ class LoopbackVerbs:
         with _lock:
             for qp in self.qps:
                 self.close_qp(qp)
+            self.keys.clear()
             self.closed = True
 
     def state_of(self, qp_number: int) -> str:

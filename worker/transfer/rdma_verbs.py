@@ -1,11 +1,14 @@
 """The interface between the rdma transport and a NIC, and its implementation on pyverbs.
 
 The transport (rdma.py) needs few verbs: queue pairs that WRITE into a peer's registered cache,
-their completions, and a way to fence one (move it to ERR). `Verbs` is that interface.
+their completions, a way to fence one (move it to ERR), and scoped memory keys: the receiver
+grants a peer's QP remote-write access to a list of byte ranges (one reservation's blocks) and
+revokes them when the reservation ends. The cache's own registration gives no remote access.
+`Verbs` is that interface.
 `PyverbsVerbs` implements it on a real device and is the only code in Tandem that touches
 pyverbs; rdma_loopback.LoopbackVerbs implements it in-process for tests. UNTESTED on RDMA hardware
-here (no device): tests/transfer/test_rdma_api.py builds the pyverbs objects it posts where
-pyverbs imports.
+here (no device), memory windows included: tests/transfer/test_rdma_api.py builds the pyverbs
+objects it posts where pyverbs imports.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import importlib
 import logging
 import os
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -34,6 +38,9 @@ from .rdma_probe import (
 log = logging.getLogger(__name__)
 
 QP_DEPTH = 512  # outstanding WRITEs per connection before the sender waits for completions
+BIND_BATCH = 64  # window binds a receiver posts before it waits for their completions
+BIND_TIMEOUT_S = 2.0  # a batch of binds that has not completed by then fails the grant
+MAX_WINDOW_BYTES = 1 << 31  # mlx5 binds at most 2 GiB per window (its KLM limit): callers split longer ranges
 _HOP_LIMIT = 64  # routed RoCEv2 needs more than GlobalRoute's default of 1
 # Completion statuses that mean our own request was wrong (address, key, length): a local bug.
 _LOCAL_BUGS = frozenset({"IBV_WC_LOC_LEN_ERR", "IBV_WC_LOC_QP_OP_ERR", "IBV_WC_LOC_PROT_ERR",
@@ -48,11 +55,11 @@ class Completion:
 
 
 class Verbs(Protocol):
-    """One registered cache (base/lkey/rkey) and its queue pairs. Not thread-safe: callers lock."""
+    """One registered cache (base/lkey) and its queue pairs. Not thread-safe: callers lock."""
 
     base: int
     lkey: int
-    rkey: int
+    key_scope: str  # what a granted key is bound to, in words: "queue pair" (type-2 windows) or "protection domain"
 
     def new_qp(self, sends: bool) -> Any: ...
     def endpoint(self, qp: Any) -> dict[str, Any]: ...
@@ -60,6 +67,10 @@ class Verbs(Protocol):
     def post_write(self, qp: Any, wr_id: int, local_addr: int, length: int, remote_addr: int, rkey: int) -> None: ...
     def poll(self, qp: Any, max_entries: int) -> list[Completion]: ...
     def fence(self, qp: Any) -> None: ...  # to ERR: no further WRITE from or into this QP lands
+    # Remote-write access for the peer on `qp` to each (address, length) range: one rkey per range.
+    def grant(self, qp: Any, ranges: list[tuple[int, int]]) -> list[int]: ...
+    # Once this returns, a WRITE with any of these keys fails (IBV_WC_REM_ACCESS_ERR at its sender).
+    def revoke(self, rkeys: list[int]) -> None: ...
     def close_qp(self, qp: Any) -> None: ...
     def close(self) -> None: ...
 
@@ -160,6 +171,7 @@ class PyverbsVerbs:
                  device: tuple[str, int] | None = None) -> None:
         self.tensor: torch.Tensor | None = kv_cache  # the region points into it: keep it alive as long
         self.ctx: Any = None
+        self._granted: dict[int, Any] = {}  # rkey -> its MW (or, without type-2 windows, its MR)
         self.device, self.port = device or _choose_device()
         self.m = modules or pyverbs_modules()
         self.e = self.m["enums"]
@@ -185,9 +197,13 @@ class PyverbsVerbs:
         except Exception as exc:
             raise TransferError(UNAVAILABLE, f"cannot open RDMA device {self.device} port {self.port}: "
                                 f"{type(exc).__name__}: {exc}") from exc
+        # The cache's own registration gives no remote access: a peer writes only through a key that
+        # grant() made for its reservation. Type-2 windows need the region registered with MW_BIND.
+        self.windows = remote_write and self._has_type2_windows()
+        self.key_scope = "queue pair" if self.windows else "protection domain"
         access = e.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE
-        if remote_write:
-            access |= e.ibv_access_flags.IBV_ACCESS_REMOTE_WRITE
+        if self.windows:
+            access |= e.ibv_access_flags.IBV_ACCESS_MW_BIND
         nbytes = kv_cache.numel() * kv_cache.element_size()
         try:
             self.mr = m["mr"].MR(self.pd, nbytes, access, address=kv_cache.data_ptr())
@@ -196,18 +212,35 @@ class PyverbsVerbs:
                      else "host memory (is `ulimit -l` / RLIMIT_MEMLOCK large enough to pin it?)")
             raise TransferError(UNAVAILABLE, f"cannot register the KV cache ({nbytes} bytes of {where}) "
                                 f"with {self.device}: {exc}") from exc
-        self.base, self.lkey, self.rkey = kv_cache.data_ptr(), int(self.mr.lkey), int(self.mr.rkey)
+        self.base, self.lkey = kv_cache.data_ptr(), int(self.mr.lkey)
+
+    def _has_type2_windows(self) -> bool:
+        """Whether the device binds type-2 memory windows (2A or 2B) and has any to give."""
+        try:
+            attr = self.ctx.query_device()
+            flags = self.e.ibv_device_cap_flags
+            mask = int(flags.IBV_DEVICE_MEM_WINDOW_TYPE_2A) | int(flags.IBV_DEVICE_MEM_WINDOW_TYPE_2B)
+            usable = bool(int(attr.device_cap_flags) & mask) and int(attr.max_mw) > 0
+        except Exception as exc:  # an old provider or pyverbs: registrations per range still work
+            log.warning("KV transfer: cannot query %s for memory windows (%s); registering per range",
+                        self.device, exc)
+            return False
+        if not usable:
+            log.warning("KV transfer: %s has no type-2 memory windows; a peer's keys are registrations per "
+                        "range (bound to the protection domain, not to the peer's queue pair)", self.device)
+        return usable
 
     def close(self) -> None:
-        """Release QPs, CQs, the region, domain and context (Context.close closes its dependents first)."""
+        """Release QPs, CQs, windows, regions, domain and context (Context.close closes its dependents first)."""
         if self.ctx is not None:
             self.ctx.close()
             self.ctx = None
+        self._granted = {}
         self.tensor = None
 
     def new_qp(self, sends: bool) -> _PyverbsQP:
         m, e = self.m, self.e
-        depth = QP_DEPTH if sends else 1  # a receiver's QP never sends
+        depth = QP_DEPTH if sends else BIND_BATCH  # a receiver's QP posts only window binds
         cq = None
         try:
             cq = m["cq"].CQ(self.ctx, 2 * depth, None, None, 0)
@@ -260,6 +293,80 @@ class PyverbsVerbs:
                          self.e.ibv_qp_attr_mask.IBV_QP_STATE)
         except Exception as exc:
             raise TransferError(PEER_LOST, f"cannot move the queue pair to ERR: {exc}") from exc
+
+    def grant(self, qp: _PyverbsQP, ranges: list[tuple[int, int]]) -> list[int]:
+        """Type-2 windows bound on `qp` (usable only by its peer), else a registration per range."""
+        made: list[tuple[int, Any]] = []
+        try:
+            if self.windows:
+                for start in range(0, len(ranges), BIND_BATCH):
+                    made.extend(self._bind_windows(qp, ranges[start:start + BIND_BATCH]))
+            else:
+                access = self.e.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE | self.e.ibv_access_flags.IBV_ACCESS_REMOTE_WRITE
+                for addr, length in ranges:
+                    mr = self.m["mr"].MR(self.pd, length, access, address=addr)
+                    made.append((int(mr.rkey), mr))
+        except Exception as exc:
+            for _rkey, obj in made:
+                self._release(obj)
+            if isinstance(exc, TransferError):
+                raise
+            raise TransferError(UNAVAILABLE, f"cannot grant {len(ranges)} memory keys on {self.device}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        self._granted.update(made)
+        return [rkey for rkey, _obj in made]
+
+    def _bind_windows(self, qp: _PyverbsQP, ranges: list[tuple[int, int]]) -> list[tuple[int, Any]]:
+        """Allocate and bind one window per range with BIND_MW work requests, then wait for them."""
+        m, e = self.m, self.e
+        access = e.ibv_access_flags.IBV_ACCESS_LOCAL_WRITE | e.ibv_access_flags.IBV_ACCESS_REMOTE_WRITE
+        bound: list[tuple[int, Any]] = []
+        try:
+            for n, (addr, length) in enumerate(ranges):
+                mw = m["mr"].MW(self.pd, e.ibv_mw_type.IBV_MW_TYPE_2)
+                bound.append((0, mw))
+                wr = m["wr"].SendWR(wr_id=n, opcode=e.ibv_wr_opcode.IBV_WR_BIND_MW,
+                                    send_flags=e.ibv_send_flags.IBV_SEND_SIGNALED)
+                try:
+                    wr.set_bind_wr(mw, m["mr"].MWBindInfo(self.mr, addr, length, access))
+                    qp.qp.post_send(wr)
+                    bound[-1] = (int(wr.rkey), mw)  # the window's new key (set_bind_wr increments it)
+                finally:
+                    wr.close()
+            self._wait_binds(qp, len(ranges))
+        except BaseException:
+            for _rkey, mw in bound:
+                self._release(mw)
+            raise
+        return bound
+
+    def _wait_binds(self, qp: _PyverbsQP, count: int) -> None:
+        until, seen = time.monotonic() + BIND_TIMEOUT_S, 0
+        while seen < count:
+            for completion in self.poll(qp, count - seen):
+                seen += 1
+                if completion.reason is not None:
+                    raise TransferError(UNAVAILABLE, f"binding a memory window failed: {completion.status}")
+            if seen < count and time.monotonic() >= until:
+                raise TransferError(UNAVAILABLE, f"{count - seen} memory window binds did not complete "
+                                    f"within {BIND_TIMEOUT_S:g}s")
+
+    def revoke(self, rkeys: list[int]) -> None:
+        """Deallocate the windows (or deregister the regions): their keys are invalid once this returns."""
+        failed = [rkey for rkey in rkeys if not self._release(self._granted.pop(rkey, None))]
+        if failed:
+            raise TransferError(PEER_LOST, f"could not invalidate {len(failed)} memory keys on {self.device}")
+
+    @staticmethod
+    def _release(obj: Any) -> bool:
+        if obj is None:
+            return True
+        try:
+            obj.close()
+        except Exception:
+            log.exception("KV transfer: invalidating a memory key failed")
+            return False
+        return True
 
     def close_qp(self, qp: _PyverbsQP) -> None:
         for resource in (qp.qp, qp.cq):

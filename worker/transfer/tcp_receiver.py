@@ -36,12 +36,23 @@ from .errors import (
     AUTH_FAILED,
     CLOSED,
     CONNECT_FAILED,
+    CORRUPT_FRAME,
     INVALID_FRAME,
     PEER_LOST,
     REASONS,
     TIMEOUT,
     UNKNOWN_TRANSFER,
     TransferError,
+)
+from .sealing import (
+    K_PART,
+    TAG_BYTES,
+    V_PART,
+    SealError,
+    SealSecrets,
+    SessionCipher,
+    accept_hello,
+    seal_welcome,
 )
 from .security import serve_securely
 from .telemetry import TransferTelemetry
@@ -69,6 +80,8 @@ class _Session:
     host: str | None = None  # the peer's address (the per-peer session cap counts it)
     identities: set[bytes] = field(default_factory=set)
     fds: set[int] = field(default_factory=set)
+    opener: SessionCipher | None = None  # sealed session (sealing.py): opens what the sender sends
+    streams: set[int] = field(default_factory=set)  # sealed: stream indexes attached (each once)
 
 
 class TcpReceiver:
@@ -79,8 +92,12 @@ class TcpReceiver:
     def __init__(self, layout: KVLayout, kv_cache: torch.Tensor, *, host: str = "127.0.0.1", port: int = 0,
                  layout_tag: str | None = None, telemetry: TransferTelemetry | None = None,
                  keep_freed_buffers: bool = True, keys: KVKeys | None = None,
-                 limits: _limits.ReceiverLimits | None = None) -> None:
+                 limits: _limits.ReceiverLimits | None = None, seal: SealSecrets | None = None) -> None:
         check_cache(layout, kv_cache)
+        if keys is not None and seal is not None:
+            raise ValueError("CURVE keys (--kv-keys) and sealing (--kv-encryption aes-gcm) both encrypt: choose one")
+        self._seal = seal
+        self._scratch = bytearray(0)  # sealed frames are opened here, then written to the cache
         if keep_freed_buffers:  # zmq's receive buffers: see allocator.py
             allocator.keep_freed_buffers()
         self.layout, self.kv_cache, self.layout_tag = layout, kv_cache, layout_tag
@@ -313,9 +330,29 @@ class TcpReceiver:
         elif kind == wire.ATTACH and len(parts) == 3:
             self._on_attach(identity, parts[2], source_fd(parts[1]))
         elif kind in (wire.BEGIN, wire.FINISH, wire.ABORT) and len(parts) == 3:
-            self._on_transfer_control(identity, kind, wire.decode_control(parts[2].buffer))
+            msg = self._open_control(identity, kind, parts[2].buffer)
+            if msg is not None:
+                self._on_transfer_control(identity, kind, msg)
         else:
             log.warning("KV receiver: dropped a malformed message (%d parts, kind %r)", len(parts), kind)
+
+    def _open_control(self, identity: bytes, kind: bytes, body: memoryview) -> dict[str, object] | None:
+        """A control message's body: opened in a sealed session; None (dropped) when it does not open."""
+        session = self._sessions.get(self._identity_session.get(identity, ""))
+        if session is None or session.opener is None:
+            try:
+                return wire.decode_control(body)
+            except ValueError:  # sealed for a session this receiver no longer has: it gets "connect again"
+                return {} if self._seal is not None else wire.decode_control(body)
+        try:
+            return wire.decode_control(session.opener.open_body(kind, body))
+        except (SealError, ValueError) as exc:
+            self._refused_sealed(f"a {kind!r} message of session {session.session_id[:8]} did not open: {exc}")
+            return None
+
+    def _refused_sealed(self, message: str) -> None:
+        log.warning("KV receiver %s: %s; dropped", self.address, message)
+        self.telemetry.failed(self.transport, AUTH_FAILED)
 
     def _send(self, identity: bytes, parts: list[bytes]) -> None:
         try:
@@ -332,6 +369,16 @@ class TcpReceiver:
             self._send(identity, wire.encode_control(wire.REFUSE, refusal.to_wire()))
             return
         session_id = str(peer.get("session"))
+        try:  # before anything is held or sent for this peer (an rdma WELCOME carries memory keys)
+            sealed = accept_hello(self._seal, session_id, peer) if self._seal is not None else None
+        except SealError as exc:
+            self._refuse_hello(identity, TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}"))
+            return
+        if sealed is None and isinstance(peer.get("seal"), dict):
+            self._refuse_hello(identity, TransferError(AUTH_FAILED, (
+                f"the KV receiver at {self.address} does not seal KV (--kv-encryption none), the sender does: "
+                "every worker of a model must run with the same --kv-encryption")))
+            return
         over = self._over_session_limit(session_id, fd)
         if over is not None:
             self._send(identity, wire.encode_control(wire.REFUSE, TransferError(CONNECT_FAILED, over).to_wire()))
@@ -344,11 +391,18 @@ class TcpReceiver:
             self._send(identity, wire.encode_control(wire.REFUSE, exc.to_wire()))
             return
         conn = self._connections.get(fd) if fd is not None else None
-        session = _Session(session_id, identity, host=conn.host if conn is not None else None)
+        session = _Session(session_id, identity, host=conn.host if conn is not None else None,
+                           opener=sealed.opener if sealed is not None else None)
         self._sessions[session_id] = session
         self._bind(session, identity, fd)
+        fields = seal_welcome(sealed, extra) if sealed is not None else extra
         self._send(identity, wire.encode_control(wire.WELCOME, {
-            "num_blocks": self.num_blocks, "layout_hash": self.layout.layout_hash(), **extra}))
+            "num_blocks": self.num_blocks, "layout_hash": self.layout.layout_hash(), **fields}))
+
+    def _refuse_hello(self, identity: bytes, error: TransferError) -> None:
+        log.error("KV receiver %s refused a sender: %s", self.address, error.message)
+        self.telemetry.failed(self.transport, error.reason)
+        self._send(identity, wire.encode_control(wire.REFUSE, error.to_wire()))
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
         """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
@@ -453,7 +507,7 @@ class TcpReceiver:
 
     def _reservation_ended(self, reservation: Reservation, error: TransferError) -> None:
         """A reservation failed or was cancelled: runs before on_done / before cancel() returns, on the
-        I/O thread or cancel()'s caller. rdma fences the sender's queue pair here (tcp: nothing to do,
+        I/O thread or cancel()'s caller. rdma revokes the reservation's memory keys here (tcp: nothing to do,
         frames are written only while their reservation exists)."""
 
     def _session_closed(self, session_id: str) -> None:
@@ -464,10 +518,22 @@ class TcpReceiver:
         reservation.finish_requested = True
 
     def _on_attach(self, identity: bytes, body: zmq.Frame, fd: int | None) -> None:
-        session = self._sessions.get(str(wire.decode_control(body.buffer).get("session")))
+        msg = wire.decode_control(body.buffer)
+        session = self._sessions.get(str(msg.get("session")))
         if session is None:
             log.warning("KV receiver: a stream attached to an unknown session; ignored")
             return
+        if session.opener is not None:  # sealed: only the session's sender can attach, each stream once
+            stream, proof = msg.get("stream"), msg.get("proof")
+            try:
+                opened = session.opener.open_body(wire.ATTACH, bytes.fromhex(proof if isinstance(proof, str) else ""))
+            except (SealError, ValueError):
+                opened = b""
+            if opened != f"{session.session_id}/{stream}".encode() or stream in session.streams:
+                self._refused_sealed(f"a stream without a valid proof tried to attach to session "
+                                     f"{session.session_id[:8]}")
+                return
+            session.streams.add(stream if isinstance(stream, int) else -1)
         self._bind(session, identity, fd)
 
     def _bind(self, session: _Session, identity: bytes, fd: int | None) -> None:
@@ -555,7 +621,13 @@ class TcpReceiver:
                         raise TransferError(INVALID_FRAME, f"a tcp frame carries K and V (kind {wire.KV}), "
                                             f"not kind {header.kind}", transfer_id)
                     k_part, v_part = parts[5].buffer, parts[6].buffer
-                    dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, k_part, v_part)
+                    opener = self._sessions[session_id].opener if session_id in self._sessions else None
+                    if opener is not None:
+                        dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, k_part, v_part,
+                                                   tag_bytes=TAG_BYTES)
+                        k_part, v_part = self._open_frame(opener, header, parts, raw_id)
+                    else:
+                        dst_ids = check_data_frame(self.layout, header, raw_id, parts[4].buffer, k_part, v_part)
                     positions = reservation.positions(header.layer, header.kind, dst_ids)
                 except ValueError as exc:
                     error: TransferError | None = TransferError(INVALID_FRAME, str(exc), transfer_id)
@@ -577,6 +649,25 @@ class TcpReceiver:
             self._send(self._control_identity(identity), [wire.ACK, raw_id, _SEQ.pack(header.seq)])
         if reservation.complete and reservation.begin_seen:  # else its BEGIN (with the prompt digest) completes it
             self._complete(reservation)
+
+    def _open_frame(self, opener: SessionCipher, header: wire.FrameHeader, parts: list[zmq.Frame],
+                    raw_id: bytes) -> tuple[memoryview, memoryview]:
+        """Decrypt a sealed frame's K and V into the scratch buffer (the I/O thread's alone); raises
+        TransferError(CORRUPT_FRAME) when either does not authenticate."""
+        size = len(parts[5].buffer) - TAG_BYTES
+        if len(self._scratch) < 2 * size:
+            self._scratch = bytearray(2 * size)
+        view = memoryview(self._scratch)
+        k_out, v_out = view[:size], view[size:2 * size]
+        aad = wire.sealed_aad(parts[2].buffer, raw_id, parts[4].buffer)
+        counter = header.digest[0]
+        try:
+            opener.open_into(counter, K_PART, parts[5].buffer, aad, k_out)
+            opener.open_into(counter, V_PART, parts[6].buffer, aad, v_out)
+        except SealError as exc:
+            raise TransferError(CORRUPT_FRAME, f"frame {header.seq} (layer {header.layer}): {exc}",
+                                raw_id.decode(errors="replace")) from None
+        return k_out, v_out
 
     def _control_identity(self, identity: bytes) -> bytes:
         """Where replies to a message from `identity` go: its session's control socket. A sender names

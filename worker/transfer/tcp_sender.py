@@ -24,6 +24,7 @@ its first token, nor its engine thread on a full window, that long.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import struct
 import threading
@@ -52,6 +53,7 @@ from .errors import (
     TIMEOUT,
     TransferError,
 )
+from .sealing import K_PART, V_PART, SealError, SealSecrets, SenderHandshake, SessionCipher
 from .security import connect_securely
 from .telemetry import TransferTelemetry
 from .tracking import validate_block_ids
@@ -139,7 +141,7 @@ class OutgoingTransfer:
             self._conn.fail(self, error, tell_receiver=True)
             raise error
         extra = self._conn.prepare_finish(self)
-        self._conn.send(self, wire.encode_control(wire.FINISH, {"transfer_id": self.transfer_id, **extra}), 0)
+        self._conn.send(self, self._conn.control(wire.FINISH, {"transfer_id": self.transfer_id, **extra}), 0)
         self._conn.wait(self, lambda s: s.done)
         seconds = time.monotonic() - self._started
         result = TransferResult(self.transfer_id, self._state.bytes_sent, seconds, self._state.next_seq)
@@ -185,6 +187,7 @@ class TcpConnection:
         self.address = address
         self.layout, self.kv_cache, self.telemetry = sender.layout, sender.kv_cache, sender.telemetry
         self.keys = sender.keys
+        self.cipher: SessionCipher | None = None  # sealed transfer (sealing.py): set by the handshake
         self.local_blocks = sender.kv_cache.shape[2]
         self.frame_bytes, self.max_inflight_bytes = sender.frame_bytes, sender.max_inflight_bytes
         self.silence_timeout_s = sender.silence_timeout_s
@@ -245,8 +248,10 @@ class TcpConnection:
         return self._broken is None and not self._closing
 
     def _handshake(self, sender: TcpSender, session: str) -> int:
-        hello = wire.encode_control(wire.HELLO, wire.hello(
-            self.layout, sender.layout_tag, session, self.transport, self._hello_extra()))
+        sealing = SenderHandshake(sender.seal, session) if sender.seal is not None else None
+        extra = {**self._hello_extra(), **(sealing.hello_fields() if sealing is not None else {})}
+        hello = wire.encode_control(wire.HELLO, wire.hello(self.layout, sender.layout_tag, session, self.transport,
+                                                           extra))
         deadline = time.monotonic() + sender.connect_timeout_s
         # Not a blocking send: while a security handshake keeps failing, zmq may have no pipe to queue
         # the HELLO on, and the send would wait for one forever (seen once in CI: a 60 s test timeout).
@@ -271,9 +276,19 @@ class TcpConnection:
             raise error
         if kind != wire.WELCOME or not isinstance(reply.get("num_blocks"), int):
             raise TransferError(CONNECT_FAILED, f"unexpected handshake reply from {self.address}")
+        if sealing is not None:
+            try:
+                self.cipher, _, boxed = sealing.complete(reply)
+            except SealError as exc:
+                self.telemetry.failed(self.transport, AUTH_FAILED)
+                raise TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}") from None
+            reply = {**reply, **boxed}  # the transport's fields (rdma: QP and memory key) travel sealed
         self._on_welcome(reply)
         for index, stream in enumerate(self._streams):
-            stream.sock.send_multipart(wire.encode_control(wire.ATTACH, {"session": session, "stream": index}))
+            attach: dict[str, Any] = {"session": session, "stream": index}
+            if self.cipher is not None:  # proof that this stream belongs to the sealed session
+                attach["proof"] = self.cipher.seal_body(wire.ATTACH, f"{session}/{index}".encode()).hex()
+            stream.sock.send_multipart(wire.encode_control(wire.ATTACH, attach))
         return int(reply["num_blocks"])
 
     def _await_control(self, event: int, deadline: float) -> bool:
@@ -296,6 +311,12 @@ class TcpConnection:
                     "must match on every worker of the model)"))
         return False
 
+    def control(self, kind: bytes, payload: dict[str, Any]) -> list[bytes]:
+        """A control message (BEGIN, FINISH, ABORT) for the receiver: sealed when the session is."""
+        if self.cipher is None:
+            return wire.encode_control(kind, payload)
+        return [kind, self.cipher.seal_body(kind, json.dumps(payload, separators=(",", ":")).encode())]
+
     # --- transport-specific parts (rdma.py overrides these) -------------------------------
 
     def _hello_extra(self) -> dict[str, Any]:
@@ -317,6 +338,15 @@ class TcpConnection:
                                               transfer.transfer_id), tell_receiver=True)
             raise
         ids = struct.pack(f"<{count}i", *dst)
+        if self.cipher is not None:
+            # Sealed: the GCM tags do the digest's job; the header carries the nonce counter instead.
+            counter = self.cipher.next_counter()
+            header = wire.pack_header(seq, layer, wire.KV, count, nbytes, (counter, 0), flags)
+            aad = wire.sealed_aad(header, transfer.raw_id, ids)
+            k_sealed = self.cipher.seal(counter, K_PART, k_part, aad)
+            v_sealed = self.cipher.seal(counter, V_PART, v_part, aad)
+            self.send(transfer, [wire.DATA, header, transfer.raw_id, ids, k_sealed, v_sealed])
+            return
         digest = wire.frame_digest(seq, layer, wire.KV, count, nbytes, transfer.raw_id, ids, k_part, v_part,
                                    flags=flags)
         header = wire.pack_header(seq, layer, wire.KV, count, nbytes, digest, flags)
@@ -351,7 +381,7 @@ class TcpConnection:
                 self._wakeup.set()  # the I/O thread enforces it even while nobody waits on this transfer
         # Not waited for: a refusal (say, blocks that differ from the reservation) fails the
         # transfer asynchronously and surfaces at the next send_layer() or finish().
-        self.send(transfer, wire.encode_control(wire.BEGIN, {"transfer_id": transfer_id, "dst_block_ids": dst,
+        self.send(transfer, self.control(wire.BEGIN, {"transfer_id": transfer_id, "dst_block_ids": dst,
                                                              **declared}), 0)
         return transfer
 
@@ -473,7 +503,7 @@ class TcpConnection:
         state.error = error
         self._release_locked(transfer)
         if tell_receiver and self._broken is None:
-            self._outbox.append(wire.encode_control(wire.ABORT, {
+            self._outbox.append(self.control(wire.ABORT, {
                 "transfer_id": transfer.transfer_id, "message": f"{error.reason}: {error.message}"}))
             self._wakeup.set()
         self._reader_wakeup.set()  # a caller waiting in the control socket's poll sees it at once
@@ -619,8 +649,10 @@ class TcpSender:
                  streams: int = 2, frame_bytes: int = 2 << 20, max_inflight_bytes: int = 64 << 20,
                  connect_timeout_s: float = 5.0, silence_timeout_s: float = SILENCE_TIMEOUT_S,
                  telemetry: TransferTelemetry | None = None, keep_freed_buffers: bool = True,
-                 keys: KVKeys | None = None) -> None:
+                 keys: KVKeys | None = None, seal: SealSecrets | None = None) -> None:
         check_cache(layout, kv_cache)
+        if keys is not None and seal is not None:
+            raise ValueError("CURVE keys (--kv-keys) and sealing (--kv-encryption aes-gcm) both encrypt: choose one")
         if keep_freed_buffers:  # staging buffers of gathered frames: see allocator.py
             allocator.keep_freed_buffers()
         for name, value in (("streams", streams), ("frame_bytes", frame_bytes),
@@ -633,6 +665,7 @@ class TcpSender:
         self.streams, self.frame_bytes, self.max_inflight_bytes = streams, frame_bytes, max_inflight_bytes
         self.telemetry = telemetry or TransferTelemetry()
         self.keys = keys  # kvTransfer.secure: CURVE with the model's keys (security.py)
+        self.seal = seal  # sealed transfer with secrets from the control token (sealing.py)
         self.context = zmq.Context(io_threads=2)
         self._lock = threading.Lock()
         self._connections: dict[str, TcpConnection] = {}

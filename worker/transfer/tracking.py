@@ -133,10 +133,12 @@ def _kinds(kind: int) -> list[int]:
 
 
 def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: bytes,
-                     ids_part: memoryview, *payloads: memoryview) -> list[int]:
+                     ids_part: memoryview, *payloads: memoryview, tag_bytes: int = 0) -> list[int]:
     """Check a frame's sizes and digest against the layout; return its destination block ids.
 
     Raises TransferError(INVALID_FRAME) for sizes that do not fit, CORRUPT_FRAME for a bad checksum.
+    A sealed frame (sealing.py, `tag_bytes` > 0) has a GCM tag after each payload and no digest: its
+    tags are checked when it is opened.
     """
     tid = transfer_id.decode(errors="replace")
     if header.flags & ~wire.ACK_ME:
@@ -147,11 +149,13 @@ def check_data_frame(layout: KVLayout, header: wire.FrameHeader, transfer_id: by
         raise TransferError(INVALID_FRAME, f"frame lists {len(ids_part) // 4} block ids but its header "
                             f"says {header.block_count}", tid)
     expected = header.block_count * layout.bytes_per_block_layer_kv
-    sizes = [len(payload) for payload in payloads]
+    sizes = [len(payload) - tag_bytes for payload in payloads]
     if header.byte_count != expected * len(payloads) or any(size != expected for size in sizes):
         raise TransferError(INVALID_FRAME, f"frame of {header.block_count} blocks must carry {expected} bytes "
                             f"per K/V part for this layout; header says {header.byte_count} in all, parts have "
                             f"{sizes}", tid)
+    if tag_bytes:
+        return list(struct.unpack(f"<{header.block_count}i", ids_part))
     digest = wire.frame_digest(header.seq, header.layer, header.kind, header.block_count, header.byte_count,
                                transfer_id, ids_part, *payloads, flags=header.flags)
     if digest != header.digest:

@@ -197,6 +197,11 @@ def frame_digest(seq: int, layer: int, kind: int, block_count: int, byte_count: 
     return value >> 64, value & _MASK64
 
 
+def sealed_aad(header: bytes | memoryview, transfer_id: bytes, block_ids: bytes | memoryview) -> bytes:
+    """What a sealed frame's K and V tags also cover (sealing.py): its header, transfer id and block ids."""
+    return b"".join(_LENGTH.pack(len(part)) + bytes(part) for part in (header, transfer_id, block_ids))
+
+
 def pack_header(seq: int, layer: int, kind: int, block_count: int, byte_count: int, digest: Digest,
                 flags: int = 0) -> bytes:
     return _HEADER.pack(seq, layer, kind, flags, block_count, byte_count, *digest)
