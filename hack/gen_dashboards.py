@@ -181,11 +181,20 @@ def overview_rows() -> list[RowSpec]:
                       ], width=8),
         ]),
         RowSpec("Prefix cache", [
-            PanelSpec("Prefix-cache hit rate", "Share of prompt tokens found in the prefix cache.",
+            PanelSpec("Prefix-cache hit rate", "Share of prompt tokens found in the prefix cache, per pool "
+                      "and per worker (the router's prefix placement is what keeps it high on every worker).",
                       "percentunit", [
                           Query(f"{rate_sum(m.PREFIX_CACHE_HITS, by_pool, sel)}\n/\n"
                                 f"{rate_sum(m.PREFIX_CACHE_QUERIES, by_pool, sel)}", "{{pool}}"),
-                      ], width=24, soft_max=1.0),
+                          Query(f"{rate_sum(m.PREFIX_CACHE_HITS, [m.LABEL_POOL, 'instance'], sel)}\n/\n"
+                                f"{rate_sum(m.PREFIX_CACHE_QUERIES, [m.LABEL_POOL, 'instance'], sel)}",
+                                "{{pool}} {{instance}}"),
+                      ], soft_max=1.0),
+            PanelSpec("Prompt tokens per worker", "Prompt tokens prefilled per second by each worker: how evenly "
+                      "the router's placement spreads the prompts (--placement-balance bounds max/mean).",
+                      "short", [
+                          Query(rate_sum(m.PROMPT_TOKENS, [m.LABEL_POOL, 'instance'], sel), "{{pool}} {{instance}}"),
+                      ]),
         ]),
     ]
 

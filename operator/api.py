@@ -12,7 +12,7 @@ import re
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator, ConfigDict, Field
 
 from tandem.operator.rules import ApiModel, CrossFieldRule
 from tandem.worker import faults
@@ -132,15 +132,69 @@ URI_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"  # a scheme, a host, then anything b
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
-class ModelSource(ApiModel):
-    """Where the model folder (config.json, *.safetensors, tokenizer.json) comes from: exactly one of path, pvc
-    or uri."""
+# A Hub repository id as huggingface_hub checks it: [org/]name of letters, digits, - _ . (no -- or .. anywhere).
+HF_REPO_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]{0,95}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,95}$"
+HF_REVISION_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_./]*$"  # a branch, tag or commit hash
+HF_TOKEN_KEY = "token"  # the default key of spec.model.source.huggingFace.tokenSecretRef
+OBJECT_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$"  # a Secret's or a claim's name
+
+
+class HubTokenRef(ApiModel):
+    """The Secret key holding a Hugging Face access token (for gated or private repositories)."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN, description="The Secret's name.")
+    key: str = Field(default=HF_TOKEN_KEY, min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$",
+                     description="The key in the Secret whose value is the token.")
+
+
+class HubCache(ApiModel):
+    """The volume the Hub cache lives on, shared by every worker pod of the model."""
+
+    claim_name: str = Field(
+        min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN,
+        description="A PersistentVolumeClaim in the resource's namespace; the Hugging Face cache is its root. "
+        "ReadWriteMany when the pools' pods run on several nodes (ReadWriteOnce ties them all to one node). "
+        "Several models may share one claim.",
+    )
+
+
+class HuggingFaceSource(ApiModel):
+    """A model from the Hugging Face Hub, downloaded once into a cache volume the worker pods share."""
 
     cross_field_rules = (
         CrossFieldRule(
-            cel="[has(self.path), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
-            message="model.source needs exactly one of path, pvc or uri",
-            check=lambda s: (s.path is not None) + (s.pvc is not None) + (s.uri is not None) == 1,
+            cel="!self.repo.contains('--') && !self.repo.contains('..')",
+            message="repo must not contain -- or .. (the Hub refuses such ids)",
+            check=lambda s: "--" not in s.repo and ".." not in s.repo,
+            field_path=".repo",
+        ),
+    )
+
+    repo: str = Field(max_length=193, pattern=HF_REPO_PATTERN,
+                      description="The repository id, such as meta-llama/Llama-3.1-8B-Instruct.")
+    revision: str | None = Field(
+        default=None, max_length=255, pattern=HF_REVISION_PATTERN,
+        description="A branch, tag or commit hash (default: main). Each worker pod resolves a branch when it "
+        "starts, so pods started after the branch moved serve the new commit: pin a commit hash or a tag.",
+    )
+    token_secret_ref: HubTokenRef | None = Field(
+        default=None,
+        description="A Secret key holding an access token, for gated or private repositories. Only the download's "
+        "init container gets it (as HF_TOKEN), never the worker that serves requests.",
+    )
+    cache: HubCache = Field(description="Where the Hub cache lives: one download per model, not one per pod.")
+
+
+class ModelSource(ApiModel):
+    """Where the model folder (config.json, *.safetensors, tokenizer.json) comes from: exactly one of path, pvc,
+    uri or huggingFace."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="[has(self.path), has(self.pvc), has(self.uri), has(self.huggingFace)].filter(x, x).size() == 1",
+            message="model.source needs exactly one of path, pvc, uri or huggingFace",
+            check=lambda s: (s.path is not None) + (s.pvc is not None) + (s.uri is not None)
+            + (s.hugging_face is not None) == 1,
         ),
         CrossFieldRule(
             cel="!has(self.sha256) || has(self.uri)",
@@ -174,6 +228,12 @@ class ModelSource(ApiModel):
         description="https:// URL (or http:// with sha256) of a tar archive (.tar, .tar.gz or .tgz; the compression "
         "is read from the content) of the model folder, at the top of the archive or in its one top-level folder. "
         "An init container of each worker pod downloads and unpacks it into an emptyDir at /models/model.",
+    )
+    hugging_face: HuggingFaceSource | None = Field(
+        default=None,
+        description="A Hugging Face Hub repository. An init container of each worker pod downloads what the engine "
+        "reads into the shared cache claim (one pod downloads, the others wait for it and find the files there) and "
+        "the worker reads the snapshot it resolved from the claim, mounted read-only at /models.",
     )
     sha256: str | None = Field(
         default=None, pattern=SHA256_PATTERN,
@@ -314,6 +374,235 @@ class ResourceRequirements(ApiModel):
 
     requests: dict[str, Quantity] = Field(default_factory=dict, description="Minimum resources, e.g. cpu, memory.")
     limits: dict[str, Quantity] = Field(default_factory=dict, description="Maximum resources.")
+
+
+# ---------------------------------------------------------------- pod template passthrough
+
+# What the operator itself puts on every pod (builders.py; a unit test keeps the two in step). A `pod` block may
+# add beside them, never take them over: a clash would either be refused by the API server when the operator
+# applies the Deployment, or silently replace what the workers need (their control token, the model, /dev/shm).
+OPERATOR_VOLUMES = ("shm", "tmp", "model", "kv-keys", "control-token")
+OPERATOR_MOUNT_PATHS = ("/dev/shm", "/tmp")  # exactly these
+OPERATOR_MOUNT_ROOT = "/etc/tandem"  # the Secrets (control token, KV keys): this folder and everything below
+MODEL_MOUNT_ROOT = "/models"  # the model volume of a pvc or uri source (a path source leaves it to you)
+# Selector labels (app.kubernetes.io/name, instance, component) would move pods in or out of a Deployment,
+# Service or NetworkPolicy; managed-by and anything under tandem.dev/ are the operator's bookkeeping.
+RESERVED_LABEL_KEYS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
+                       "app.kubernetes.io/managed-by")
+RESERVED_ANNOTATION_KEYS = ("prometheus.io/scrape", "prometheus.io/port", "prometheus.io/path")
+TANDEM_KEY_PATTERN = r"^([^/]*\.)?tandem\.dev/"  # tandem.dev/... and <sub>.tandem.dev/...
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# Absolute, no empty, "." or ".." segment, no trailing slash: one spelling per folder, so the reserved paths
+# cannot be reached by another (/tmp/, //tmp, /etc/x/../tandem).
+MOUNT_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
+
+
+def _meta_keys_message(reserved: tuple[str, ...], what: str) -> str:
+    return (f"every key must be a valid {what} key ([prefix/]name), and not the operator's own "
+            f"(tandem.dev/..., {', '.join(reserved)})")
+
+
+def _check_meta_keys(reserved: tuple[str, ...], what: str) -> Any:
+    def check(value: dict[str, str]) -> dict[str, str]:
+        for key in value:
+            if not re.match(LABEL_KEY_PATTERN, key) or ("/" in key and key.index("/") > 253) \
+                    or key in reserved or re.match(TANDEM_KEY_PATTERN, key):
+                raise ValueError(f"{_meta_keys_message(reserved, what)}: not {key!r}")
+        return value
+    return check
+
+
+def _meta_keys_rule(reserved: tuple[str, ...], what: str) -> dict[str, str]:
+    return {
+        "rule": f"self.all(k, k.matches(r'{LABEL_KEY_PATTERN}') && (!k.contains('/') || k.indexOf('/') <= 253) "
+                f"&& !k.matches(r'{TANDEM_KEY_PATTERN}') && !(k in {list(reserved)}))",
+        "message": _meta_keys_message(reserved, what),
+    }
+
+
+PodLabels = Annotated[
+    Annotated[dict[str, Annotated[str, Field(max_length=63, pattern=LABEL_VALUE_PATTERN)]], Field(max_length=64)],
+    AfterValidator(_check_meta_keys(RESERVED_LABEL_KEYS, "label")),
+    Field(json_schema_extra={"x-kubernetes-validations": [_meta_keys_rule(RESERVED_LABEL_KEYS, "label")]}),
+]
+PodAnnotations = Annotated[
+    Annotated[dict[str, Annotated[str, Field(max_length=65536)]], Field(max_length=64)],
+    AfterValidator(_check_meta_keys(RESERVED_ANNOTATION_KEYS, "annotation")),
+    Field(json_schema_extra={"x-kubernetes-validations": [_meta_keys_rule(RESERVED_ANNOTATION_KEYS, "annotation")]}),
+]
+
+
+class LocalObjectReference(ApiModel):
+    """A Secret in the resource's namespace, by name."""
+
+    name: str = Field(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN, description="The Secret's name.")
+
+
+class Volume(ApiModel):
+    """A core/v1 Volume: a name and one volume source (configMap, secret, persistentVolumeClaim, hostPath, csi,
+    ephemeral, ...), passed through; the API server checks the source when the operator applies the Deployment."""
+
+    model_config = ConfigDict(**{**ApiModel.model_config, "extra": "allow"})
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"!(self.name in {list(OPERATOR_VOLUMES)})",
+            message=f"volume names {', '.join(OPERATOR_VOLUMES)} are the operator's own",
+            check=lambda v: v.name not in OPERATOR_VOLUMES,
+            field_path=".name",
+        ),
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN, description="Volume name (a DNS label).")
+
+
+def _mount_path_allowed(path: str) -> bool:
+    return path not in OPERATOR_MOUNT_PATHS and path != OPERATOR_MOUNT_ROOT \
+        and not path.startswith(OPERATOR_MOUNT_ROOT + "/")
+
+
+class VolumeMount(ApiModel):
+    """Where a volume of `volumes` appears in the container (the core/v1 VolumeMount fields)."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel=f"!(self.mountPath in {list(OPERATOR_MOUNT_PATHS)}) && self.mountPath != '{OPERATOR_MOUNT_ROOT}' "
+                f"&& !self.mountPath.startsWith('{OPERATOR_MOUNT_ROOT}/')",
+            message=f"mountPath must not be {', '.join(OPERATOR_MOUNT_PATHS)} or under {OPERATOR_MOUNT_ROOT} "
+                    "(the operator's own mounts)",
+            check=lambda m: _mount_path_allowed(m.mount_path),
+            field_path=".mountPath",
+        ),
+        CrossFieldRule(
+            cel="!(has(self.subPath) && has(self.subPathExpr))",
+            message="a volumeMount sets subPath or subPathExpr, not both",
+            check=lambda m: m.sub_path is None or m.sub_path_expr is None,
+            field_path=".subPath",
+        ),
+    )
+
+    name: str = Field(min_length=1, max_length=63, pattern=DNS_LABEL_PATTERN, description="Name of a volume in `volumes`.")
+    mount_path: str = Field(max_length=512, pattern=MOUNT_PATH_PATTERN,
+                            description="Absolute path in the container (no `.`/`..` segments, no trailing /).")
+    read_only: bool | None = Field(default=None, description="Mount read-only.")
+    sub_path: str | None = Field(default=None, max_length=1024, description="Folder inside the volume to mount.")
+    sub_path_expr: str | None = Field(default=None, max_length=1024,
+                                      description="Like subPath, with $(VAR) expanded from the container's env.")
+    mount_propagation: Literal["None", "HostToContainer", "Bidirectional"] | None = Field(
+        default=None, description="Mount propagation (Bidirectional needs a privileged container).")
+
+
+class TopologySpreadConstraint(ApiModel):
+    """A core/v1 TopologySpreadConstraint. Without labelSelector it spreads the pool's own pods (the router's,
+    for the router), which is what an unset selector would otherwise not do: it would match no pod at all."""
+
+    max_skew: int = Field(ge=1, le=1000, description="Most pods one domain may have above the least loaded.")
+    topology_key: str = Field(min_length=1, max_length=316, description="Node label that names the domains, e.g. "
+                              "topology.kubernetes.io/zone or kubernetes.io/hostname.")
+    when_unsatisfiable: Literal["DoNotSchedule", "ScheduleAnyway"] = Field(description="Hard or soft.")
+    label_selector: dict[str, Any] | None = Field(
+        default=None, description="A metav1.LabelSelector of the pods to count. Unset: the pool's own pods.")
+    match_label_keys: list[Annotated[str, Field(max_length=316)]] | None = Field(
+        default=None, max_length=16, description="Pod label keys whose values narrow the pods counted "
+        "(e.g. pod-template-hash: spread each rollout's pods).")
+    min_domains: int | None = Field(default=None, ge=1, le=1000, description="Fewest eligible domains (DoNotSchedule only).")
+    node_affinity_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Count only nodes the pod's "
+                                                                     "nodeSelector/affinity allow (Honor).")
+    node_taints_policy: Literal["Honor", "Ignore"] | None = Field(default=None, description="Count only nodes whose "
+                                                                   "taints the pod tolerates (Honor).")
+
+
+def _check_unique(what: str, key: Any) -> Any:
+    def check(value: list[Any]) -> list[Any]:
+        seen = [key(item) for item in value]
+        repeated = sorted({k for k in seen if seen.count(k) > 1})
+        if repeated:
+            raise ValueError(f"{what} must be unique (repeated: {', '.join(repeated)})")
+        return value
+    return check
+
+
+VolumeList = Annotated[
+    list[Volume],
+    AfterValidator(_check_unique("volume names", lambda v: v.name)),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.all(v, self.exists_one(w, w.name == v.name))", "message": "volume names must be unique"}]}),
+]
+VolumeMountList = Annotated[
+    list[VolumeMount],
+    AfterValidator(_check_unique("volumeMount paths", lambda m: m.mount_path)),
+    Field(json_schema_extra={"x-kubernetes-validations": [{
+        "rule": "self.all(m, self.exists_one(n, n.mountPath == m.mountPath))",
+        "message": "volumeMount paths must be unique"}]}),
+]
+
+
+class PodTemplateSpec(ApiModel):
+    """Passed through onto every pod (and, for volumeMounts, the main container and the fetch-model init
+    container) beside what the operator sets itself; the operator's own labels, annotations, volumes and mount
+    paths cannot be taken over."""
+
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && "
+                "self.volumes.exists(v, v.name == m.name))",
+            message="every volumeMount must name a volume listed in volumes",
+            check=lambda p: {m.name for m in p.volume_mounts} <= {v.name for v in p.volumes},
+            field_path=".volumeMounts",
+        ),
+    )
+
+    annotations: PodAnnotations = Field(
+        default_factory=dict,
+        description="Pod annotations, e.g. k8s.v1.cni.cncf.io/networks (Multus: attach the RDMA/SR-IOV network). "
+        "Not the operator's own: tandem.dev/..., prometheus.io/scrape, port and path.",
+    )
+    labels: PodLabels = Field(
+        default_factory=dict,
+        description="Pod labels. Not the selector labels app.kubernetes.io/name, instance and component, nor "
+        "app.kubernetes.io/managed-by or tandem.dev/...",
+    )
+    image_pull_secrets: list[LocalObjectReference] = Field(
+        default_factory=list, max_length=16, description="Secrets (kubernetes.io/dockerconfigjson) to pull the image with.")
+    volumes: VolumeList = Field(
+        default_factory=list, max_length=32,
+        description="Extra volumes, beside the operator's (shm, tmp, model, kv-keys, control-token: names refused).",
+    )
+    volume_mounts: VolumeMountList = Field(
+        default_factory=list, max_length=32,
+        description="Mounts of `volumes` into the container. Not at /dev/shm, /tmp or under /etc/tandem; for the "
+        "pools, not under /models either when model.source is pvc or uri (the model is mounted there).",
+    )
+    service_account_name: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+        description="ServiceAccount the pods run as. Workers never mount its token (they never call the Kubernetes "
+        "API). For the router, the operator binds its Role <name>-router (endpoint discovery) to this account too; "
+        "unset, the router runs as <name>-router.",
+    )
+    priority_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                                            description="PriorityClass of the pods.")
+    runtime_class_name: str | None = Field(
+        default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+        description="RuntimeClass, e.g. nvidia where the NVIDIA container runtime is not the node's default.",
+    )
+    scheduler_name: str | None = Field(default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,
+                                       description="Scheduler that places the pods (default-scheduler when unset).")
+    topology_spread_constraints: list[TopologySpreadConstraint] = Field(
+        default_factory=list, max_length=8, description="How the pods spread over zones or nodes.")
+    host_network: bool = Field(
+        default=False,
+        description="Run in the node's network namespace: some RDMA setups (RoCE without Multus or SR-IOV) need it "
+        "for the pod to see the NIC's netdevice and GIDs. The ports then are the node's: the HTTP port 8000 and the "
+        "KV port 5555 become host ports, so at most one such pod (of any pool or model) runs per node; the pod's IP "
+        "is the node's; the operator's NetworkPolicies do not apply to it, and pods it calls see the node's address "
+        "(run the operator with --no-network-policy where a router or prefill pool uses it); DNS stays the "
+        "cluster's (dnsPolicy ClusterFirstWithHostNet). PodSecurity baseline and restricted refuse it.",
+    )
+    host_ipc: bool = Field(
+        default=False, alias="hostIPC",
+        description="Share the node's IPC namespace (System V / POSIX shared memory with processes outside the pod, "
+        "as some RDMA and CUDA IPC setups ask). PodSecurity baseline and restricted refuse it.",
+    )
 
 
 AutoscalingMode = Literal["tandem", "external"]
@@ -460,6 +749,11 @@ class PoolSpec(ApiModel):
         description="Extra arguments appended to `tandem worker` (not the test hook --fault).",
     )
     shm_size: PositiveQuantity = Field(default="8Gi", description="Size of the shared-memory (/dev/shm) volume.")
+    pod: PodTemplateSpec = Field(
+        default_factory=lambda: PodTemplateSpec(),
+        description="What else goes onto the pool's pods: annotations, labels, imagePullSecrets, volumes, "
+        "serviceAccountName, priority, runtime and scheduler, spread constraints, host network and IPC.",
+    )
 
 
 class PrefillPoolSpec(PoolSpec):
@@ -516,6 +810,11 @@ class RouterSpec(ApiModel):
     env: EnvList = Field(default_factory=list, max_length=64, description="Extra environment variables.")
     args: list[str] = Field(default_factory=list, max_length=64, description="Extra arguments appended to `tandem router`.")
     service: RouterServiceSpec = Field(default_factory=lambda: RouterServiceSpec(), description="The router's Service.")
+    pod: PodTemplateSpec = Field(
+        default_factory=lambda: PodTemplateSpec(),
+        description="What else goes onto the router's pods: annotations, labels, imagePullSecrets, volumes, "
+        "serviceAccountName, priority, runtime and scheduler, spread constraints, host network and IPC.",
+    )
     api_key_secret: SecretKeyRef | None = Field(
         default=None,
         description="A Secret key holding the API keys clients must send as `Authorization: Bearer <key>` on every "
@@ -553,8 +852,36 @@ class RatioSpec(ApiModel):
     max_prefill_per_decode: float = Field(default=8.0, gt=0, le=100, description="Most prefill replicas per decode replica.")
 
 
+# The model sources the operator mounts at MODEL_MOUNT_ROOT (CEL over the spec, and the same in Python).
+MODEL_VOLUME_CEL = "has(self.model.source.pvc) || has(self.model.source.uri) || has(self.model.source.huggingFace)"
+
+
+def _model_volume_mounted(spec: DisaggregatedModelSpec) -> bool:
+    source = spec.model.source
+    return source.pvc is not None or source.uri is not None or source.hugging_face is not None
+
+
+def _mounts_over_model(pool: PoolSpec) -> bool:
+    return any(m.mount_path == MODEL_MOUNT_ROOT or m.mount_path.startswith(MODEL_MOUNT_ROOT + "/")
+               for m in pool.pod.volume_mounts)
+
+
+def _model_mount_rule(pool: PoolName) -> CrossFieldRule:
+    return CrossFieldRule(
+        cel=f"!({MODEL_VOLUME_CEL}) || !has(self.{pool}.pod) || !has(self.{pool}.pod.volumeMounts) || "
+            f"!self.{pool}.pod.volumeMounts.exists(m, m.mountPath == '{MODEL_MOUNT_ROOT}' || "
+            f"m.mountPath.startsWith('{MODEL_MOUNT_ROOT}/'))",
+        message=f"{pool}.pod.volumeMounts must not be at or under {MODEL_MOUNT_ROOT}: the operator mounts the model "
+        "there for a pvc, uri or huggingFace source",
+        check=lambda s: not (_model_volume_mounted(s) and _mounts_over_model(s.pool(pool))),
+        field_path=f".{pool}.pod.volumeMounts",
+    )
+
+
 class DisaggregatedModelSpec(ApiModel):
     """One model served by a prefill pool, a decode pool and a router."""
+
+    cross_field_rules = (_model_mount_rule("prefill"), _model_mount_rule("decode"))
 
     model: ModelSpec = Field(description="The model to serve.")
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Container image with the `tandem` command.")

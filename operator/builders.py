@@ -21,10 +21,12 @@ from tandem.operator.api import (
     POOL_KIND,
     DisaggregatedModelSpec,
     EnvVar,
+    PodTemplateSpec,
     PoolName,
     ResourceRequirements,
     RouterSpec,
     Toleration,
+    TopologySpreadConstraint,
     quantity_bytes,
 )
 from tandem.worker.kv.keys import KVKeys
@@ -43,6 +45,11 @@ SPEC_FINGERPRINT_LABEL = "tandem.dev/spec-fingerprint"
 MODEL_MOUNT = "/models"
 FETCHED_MODEL_DIR = f"{MODEL_MOUNT}/model"  # where the fetch-model init container unpacks a uri source
 FETCH_CONTAINER = "fetch-model"
+# A huggingFace source: the cache claim is the Hub cache, mounted at MODEL_MOUNT (read-write in the init container,
+# read-only in the worker); the init container links HUB_MODEL_LINK, in the pod's own /tmp emptyDir, to the
+# snapshot it resolved, so the worker reads that commit even if another pod moves the cache's branch ref later.
+HUB_MODEL_LINK = "/tmp/model"
+WORKER_UID = 65532  # the images' user (docker/worker.Dockerfile): the pod's fsGroup, so it can write the cache
 KV_KEYS_MOUNT = "/etc/tandem/kv-keys"  # the Secret's public and secret files: `tandem worker --kv-keys`
 KV_KEYS_VOLUME = "kv-keys"
 KV_KEYS_COMPONENT = "kv-keys"  # the Secret's component label (shared by both pools)
@@ -163,6 +170,8 @@ def worker_model_dir(spec: DisaggregatedModelSpec) -> str:
         return f"{MODEL_MOUNT}/{source.pvc.sub_path}".rstrip("/")
     if source.uri is not None:
         return FETCHED_MODEL_DIR
+    if source.hugging_face is not None:
+        return HUB_MODEL_LINK
     assert source.path is not None  # the one-of rule guarantees it
     return source.path
 
@@ -214,8 +223,13 @@ def grace_period(args: list[str], drain_default: int, before_drain: int = 0) -> 
 
 
 def fetch_model_args(spec: DisaggregatedModelSpec) -> list[str]:
-    """`tandem fetch-model` for a uri source: download, verify and unpack into the pod's emptyDir."""
+    """`tandem fetch-model` for a uri source: download, verify and unpack into the pod's emptyDir; for a
+    huggingFace source: download into the shared cache (or wait for the pod that does) and link the snapshot."""
     source = spec.model.source
+    hub = source.hugging_face
+    if hub is not None:
+        repo = hub.repo + (f"@{hub.revision}" if hub.revision else "")
+        return ["fetch-model", "--model", repo, "--link", HUB_MODEL_LINK]
     assert source.uri is not None
     args = ["fetch-model", "--uri", source.uri, "--dest", FETCHED_MODEL_DIR]
     if source.sha256 is not None:
@@ -237,11 +251,27 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tandem"],
         "args": fetch_model_args(spec),
-        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, {"name": TMP_VOLUME, "mountPath": "/tmp"}],
+        # The pool's own mounts too: a CA bundle or proxy settings the download may need.
+        "volumeMounts": [{"name": "model", "mountPath": MODEL_MOUNT}, {"name": TMP_VOLUME, "mountPath": "/tmp"},
+                         *user_volume_mounts(spec.pool(pool).pod)],
         "securityContext": dict(RESTRICTED_CONTEXT),
-        "env": SCRATCH_ENV + [e.model_dump(by_alias=True, exclude_none=True) for e in spec.pool(pool).env],
+        "env": SCRATCH_ENV + _hub_env(spec) + [e.model_dump(by_alias=True, exclude_none=True)
+                                               for e in spec.pool(pool).env],
     }
     return container
+
+
+def _hub_env(spec: DisaggregatedModelSpec) -> list[Manifest]:
+    """The init container's Hub settings for a huggingFace source: the cache on the claim, and the token."""
+    hub = spec.model.source.hugging_face
+    if hub is None:
+        return []
+    env: list[Manifest] = [{"name": "HF_HUB_CACHE", "value": MODEL_MOUNT},
+                           {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    if hub.token_secret_ref is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": hub.token_secret_ref.name, "key": hub.token_secret_ref.key}}})
+    return env
 
 
 # What PodSecurity `restricted` asks of a container, plus a read-only root: the image's files cannot be
@@ -274,6 +304,45 @@ def _scratch(volumes: list[Manifest], mounts: list[Manifest]) -> None:
 SCRATCH_ENV: list[Manifest] = [{"name": "HOME", "value": "/tmp"}]
 
 
+# ---------------------------------------------------------------- spec.<pool>.pod, spec.router.pod
+
+
+def user_volume_mounts(pod: PodTemplateSpec) -> list[Manifest]:
+    return [m.model_dump(by_alias=True, exclude_none=True) for m in pod.volume_mounts]
+
+
+def _spread(constraint: TopologySpreadConstraint, own_pods: Mapping[str, str]) -> Manifest:
+    """Without a labelSelector a constraint counts no pod at all; the pool's own pods are what one means."""
+    out: Manifest = constraint.model_dump(by_alias=True, exclude_none=True)
+    out.setdefault("labelSelector", {"matchLabels": dict(own_pods)})
+    return out
+
+
+def apply_pod_template(pod: PodTemplateSpec, template: Manifest, own_pods: Mapping[str, str]) -> None:
+    """Add a `pod` block to a built pod template: the user's labels and annotations under the operator's (the CRD
+    refuses the operator's keys, so nothing is overridden), the user's volumes after the operator's, and the
+    pod-level fields. Each only when given: a spec without them builds the same template as before they existed,
+    so an operator upgrade rolls no pod."""
+    meta, pod_spec = template["metadata"], template["spec"]
+    meta["labels"] = {**pod.labels, **meta["labels"]}
+    meta["annotations"] = {**pod.annotations, **meta["annotations"]}
+    if pod.volumes:
+        pod_spec["volumes"] = [*pod_spec["volumes"], *(v.model_dump(by_alias=True, exclude_none=True) for v in pod.volumes)]
+    if pod.image_pull_secrets:
+        pod_spec["imagePullSecrets"] = [{"name": ref.name} for ref in pod.image_pull_secrets]
+    for key, value in (("serviceAccountName", pod.service_account_name), ("priorityClassName", pod.priority_class_name),
+                       ("runtimeClassName", pod.runtime_class_name), ("schedulerName", pod.scheduler_name)):
+        if value:
+            pod_spec[key] = value
+    if pod.topology_spread_constraints:
+        pod_spec["topologySpreadConstraints"] = [_spread(c, own_pods) for c in pod.topology_spread_constraints]
+    if pod.host_network:
+        pod_spec["hostNetwork"] = True
+        pod_spec["dnsPolicy"] = "ClusterFirstWithHostNet"  # the node's network, the cluster's DNS
+    if pod.host_ipc:
+        pod_spec["hostIPC"] = True
+
+
 def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolName, spec_fingerprint: str,
                         kv_keys_fingerprint: str | None = None, control_token_fingerprint: str | None = None) -> Manifest:
     """`kv_keys_fingerprint` (of the Secret's keys) is required when kvTransfer.secure is on.
@@ -303,6 +372,10 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         # Per pod: a restarted container finds the model already there; a new pod downloads it again.
         volumes.append({"name": "model", "emptyDir": {"sizeLimit": model_size_limit(spec)}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
+    elif spec.model.source.hugging_face is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {
+            "claimName": spec.model.source.hugging_face.cache.claim_name}})
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
     if spec.kv_transfer.secure:
@@ -322,7 +395,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
                   {"name": "kv", "containerPort": KV_PORT, "protocol": "TCP"}],
         "resources": _resources(pool_spec.resources, extended),
         "securityContext": worker_security_context(spec, pool_spec.resources),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + user_volume_mounts(pool_spec.pod),
         # Loading weights can take minutes: the startup probe holds off liveness until /health answers.
         "startupProbe": _probe("/health", 10, 180),
         "livenessProbe": _probe("/health", 10, 3),
@@ -337,17 +410,23 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         "volumes": volumes,
         "terminationGracePeriodSeconds": grace_period(args, WORKER_DRAIN_TIMEOUT_S),
     }
-    if spec.model.source.uri is not None:
+    if spec.model.source.uri is not None or spec.model.source.hugging_face is not None:
         pod_spec["initContainers"] = [fetch_model_container(spec, pool)]
+    if spec.model.source.hugging_face is not None:
+        # The cache claim's root becomes group-writable by the pods' uid; OnRootMismatch: one chown, not one per
+        # pod start over a cache of many GB.
+        pod_spec["securityContext"] = {"fsGroup": WORKER_UID, "fsGroupChangePolicy": "OnRootMismatch"}
     if pool_spec.affinity:
         pod_spec["affinity"] = pool_spec.affinity
-    return {
+    template = {
         "metadata": {
             "labels": {**labels(owner, pool), SPEC_FINGERPRINT_LABEL: spec_fingerprint},
             "annotations": annotations,
         },
         "spec": pod_spec,
     }
+    apply_pod_template(pool_spec.pod, template, selector_labels(owner, pool))
+    return template
 
 
 # ---------------------------------------------------------------- children
@@ -439,7 +518,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
         "ports": [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
         "resources": _resources(router.resources, {}),
         "securityContext": dict(RESTRICTED_CONTEXT),
-        "volumeMounts": mounts,
+        "volumeMounts": mounts + user_volume_mounts(router.pod),
         # Imports and uvicorn start take tens of seconds on a busy node: liveness waits for the first answer
         # (without this the e2e router was restarted before it had started).
         "startupProbe": _probe("/health", 2, 90),
@@ -466,6 +545,7 @@ def router_deployment(owner: Owner, spec: DisaggregatedModelSpec, replicas: int,
         },
         "spec": pod_spec,
     }
+    apply_pod_template(router.pod, template, selector_labels(owner, "router"))  # its serviceAccountName too
     return _deployment(owner, "router", replicas, template)
 
 
@@ -491,9 +571,14 @@ def router_service(owner: Owner, spec: DisaggregatedModelSpec) -> Manifest:
     }
 
 
-def router_access(owner: Owner) -> list[Manifest]:
-    """ServiceAccount + Role + RoleBinding letting the router watch its pools' endpoints."""
+def router_access(owner: Owner, spec: DisaggregatedModelSpec | None = None) -> list[Manifest]:
+    """ServiceAccount + Role + RoleBinding letting the router watch its pools' endpoints. The Role is bound to
+    spec.router.pod.serviceAccountName too, where the router runs as an account of the user's."""
     name = child_name(owner, "router")
+    subjects = [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}]
+    own_account = spec.router.pod.service_account_name if spec is not None else None
+    if own_account and own_account != name:
+        subjects.append({"kind": "ServiceAccount", "name": own_account, "namespace": owner.namespace})
     role = {
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
@@ -508,7 +593,7 @@ def router_access(owner: Owner) -> list[Manifest]:
         "kind": "RoleBinding",
         "metadata": _metadata(owner, name, "router"),
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-        "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": owner.namespace}],
+        "subjects": subjects,
     }
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(owner, name, "router")}
     return [account, role, binding]
@@ -521,7 +606,7 @@ def build_children(owner: Owner, spec: DisaggregatedModelSpec, replicas: Mapping
 
     Not the KV keys or control token Secrets: they are created once (kv_keys.ensure, control_secret.ensure),
     never applied."""
-    children: list[Manifest] = [*router_access(owner)]
+    children: list[Manifest] = [*router_access(owner, spec)]
     for pool in ("prefill", "decode"):
         children.append(worker_service(owner, pool))
         children.append(disruption_budget(owner, pool))

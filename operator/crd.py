@@ -88,7 +88,8 @@ def _structural(node: JsonSchema, defs: dict[str, JsonSchema]) -> JsonSchema:
     additional = node.get("additionalProperties")
     if isinstance(additional, dict) and additional:
         out["additionalProperties"] = _structural(additional, defs)
-    elif (additional is True or additional == {}) and "properties" not in node:
+    elif additional is True or additional == {}:
+        # Free-form, or declared fields plus anything else (a passed-through core/v1 Volume: its name is checked).
         out["x-kubernetes-preserve-unknown-fields"] = True
     if "items" in node:
         out["items"] = _structural(node["items"], defs)

@@ -29,7 +29,9 @@ def _config_class(family: str) -> Any:
     import transformers
 
     return {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[family]
+            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+            "mixtral": transformers.MixtralConfig, "qwen3_moe": transformers.Qwen3MoeConfig,
+            "gemma2": transformers.Gemma2Config, "gemma3": transformers.Gemma3TextConfig}[family]
 
 
 class HFModel:

@@ -71,8 +71,11 @@ def test_unsupported_architecture(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = json.loads((path / "config.json").read_text())
     config.update(architectures=["GPT2LMHeadModel"], model_type="gpt2")
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"unsupported model architecture \['GPT2LMHeadModel'\]"):
+    with pytest.raises(ValueError, match=r"unsupported model architecture 'GPT2LMHeadModel'; supported: ") as err:
         load_model(path)
+    for supported in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                      "MixtralForCausalLM", "Qwen3MoeForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM"):
+        assert supported in str(err.value)
 
 
 def test_unsupported_rope_scaling(tmp_path: Path, tiny_model_dir: Path) -> None:

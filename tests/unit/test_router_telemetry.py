@@ -11,7 +11,8 @@ from tandem.worker.router.telemetry import RouterTelemetry
 
 def samples(t: RouterTelemetry) -> dict[tuple[str, str, str], float]:
     return {(s.name, s.labels.get("model", ""), s.labels.get("reason", "")): s.value
-            for f in text_string_to_metric_families(t.render().decode()) for s in f.samples}
+            for f in text_string_to_metric_families(t.render().decode()) for s in f.samples
+            if s.name.startswith("tandem_")}
 
 
 def test_series_exist_at_zero_from_the_start() -> None:

@@ -17,6 +17,8 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from tandem.worker import faults
 from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_flags
 from tandem.worker.hardware import DTYPE_CHOICES, Choice, choose
+from tandem.worker.model.config import FAMILIES as TINY_FAMILIES
+from tandem.worker.router.placement import PLACEMENTS
 from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
 
 # Share of a GPU's free memory that the workers of one `tandem serve` take for weights plus KV
@@ -33,7 +35,8 @@ def cache_dir() -> Path:
 
 
 def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]:
-    """A model folder and its served name; `tiny` writes a small random model into the cache first."""
+    """A model folder and its served name; `tiny` writes a small random model into the cache first, a Hub
+    repository id (docs/serving.md, "Models from the Hub") is downloaded into the Hub cache first."""
     if model == "tiny":
         folder = cache_dir() / "models" / f"tiny-{family}"
         if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
@@ -45,18 +48,27 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
                           "pass --model DIR for a real model)")
             write_tiny_model(folder, family=family)
         return folder, "tiny"
-    folder = Path(model).expanduser()
+    from tandem.worker.model.hub import HubError, resolve
+
+    try:
+        # Downloaded here, once, for every worker of the stack; workers get the snapshot folder.
+        folder, hub_name = resolve(model, console.print)
+    except HubError as exc:
+        raise click.BadParameter(str(exc), param_hint="--model") from None
     if not (folder / "config.json").is_file():
-        raise click.BadParameter(f"{folder} is not a model folder (no config.json); use a Hugging Face style folder "
-                                 "or --model tiny", param_hint="--model")
-    return folder.resolve(), folder.resolve().name
+        raise click.BadParameter(f"{folder} is not a model folder (no config.json); use a Hugging Face style folder, "
+                                 "a Hub repository ORG/NAME[@REVISION], or --model tiny", param_hint="--model")
+    return folder.resolve(), hub_name or folder.resolve().name
 
 
 @click.command("serve", epilog=EPILOG + " --chat-template FILE replaces the model's chat template.")
-@click.option("--model", required=True, help="Model folder, or `tiny` for a small random model (written on first use).")
+@click.option("--model", required=True,
+              help="Model folder; a Hugging Face Hub model ORG/NAME[@REVISION] (or hf://NAME[@REVISION]), downloaded "
+                   "into the Hub cache (HF_TOKEN, HF_HUB_CACHE, HF_HUB_OFFLINE apply; a folder of that name here "
+                   "wins); or `tiny` for a small random model (written on first use).")
 @click.option("--model-name", "--served-model-name", "model_name", default=None,
-              help="Name clients use (default: the folder name, or `tiny`).")
-@click.option("--family", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama",
+              help="Name clients use (default: the folder name, the Hub repository id, or `tiny`).")
+@click.option("--family", type=click.Choice(list(TINY_FAMILIES)), default="llama",
               show_default=True, help="Architecture of the --model tiny model.")
 @click.option("--prefill-workers", type=click.IntRange(0, 64), default=1, show_default=True)
 @click.option("--decode-workers", type=click.IntRange(1, 64), default=1, show_default=True,
@@ -101,6 +113,8 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="A file of API keys, one a line; the router re-reads it when it changes.")
 @click.option("--canary-interval", type=click.FloatRange(min=0), default=None,
               help="Seconds between the router's output canary probes (default 60; 0: off). See `tandem router --help`.")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
+              help="The router's prefill placement (default prefix). See `tandem router --help`.")
 # A test hook (faults.py): refused unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
 @click.option("--prefill-fault", type=click.Choice(faults.FAULTS), default=None, hidden=True)
 @refuse_unsupported_vllm_flags
@@ -110,7 +124,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
             max_num_seqs: int | None, max_num_batched_tokens: int | None, seed: int | None, chat_template: Path | None,
             log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
-            canary_interval: float | None, prefill_fault: str | None, api_keys: tuple[str, ...],
+            canary_interval: float | None, placement: str | None, prefill_fault: str | None, api_keys: tuple[str, ...],
             api_key_file: Path | None) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
@@ -135,7 +149,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          max_num_batched_tokens=max_num_batched_tokens, seed=seed, chat_template=chat_template, log_dir=log_dir, prefill_fault=prefill_fault,
                          request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys,
                          api_keys=tuple(k for value in api_keys for k in value.split()), api_key_file=api_key_file,
-                         canary_interval=canary_interval)
+                         canary_interval=canary_interval, placement=placement)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):

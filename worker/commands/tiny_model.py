@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import click
 
+from tandem.worker.model.config import FAMILIES as TINY_FAMILIES
+
 
 @click.command("make-tiny-model")
 @click.argument("directory", type=click.Path(file_okay=False))
-@click.option("--family", type=click.Choice(["llama", "mistral", "qwen2", "qwen3"]), default="llama",
+@click.option("--family", type=click.Choice(list(TINY_FAMILIES)), default="llama",
               show_default=True, help="Model family (architecture) to write.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--layers", type=int, default=None, help="Number of decoder layers (default 2).")

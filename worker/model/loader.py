@@ -11,7 +11,6 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .llama import CausalLM
-from .rope import inverse_frequencies
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -47,8 +46,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
         model = CausalLM(cfg)
     # Materialise empty parameters on the target device; every one is then filled from the checkpoint.
     model = model.to(torch_dtype).to_empty(device=device)  # dtype first: no float32 copy on the device
-    # Buffers are not in checkpoints: compute the RoPE frequencies (in float32) on the device.
-    model.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.init_buffers(device)
     params = dict(model.named_parameters())
     layout = model.checkpoint_layout()  # checkpoint tensor -> rows of one of our parameters
     loaded: set[str] = set()
@@ -59,8 +57,9 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
                     if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and cfg.tie_word_embeddings):
                         continue  # a buffer old checkpoints saved / a copy of the tied embedding
                     raise ValueError(f"{file.name}: unexpected tensor {name!r} for a {cfg.family} model")
-                target_name, start, end = layout[name]
-                target = params[target_name][start:end]
+                target_name, expert, start, end = layout[name]
+                param = params[target_name] if expert is None else params[target_name][expert]
+                target = param[start:end]
                 tensor = f.get_tensor(name)
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "

@@ -24,6 +24,10 @@ FAMILIES = {
     "mistral": ("MistralForCausalLM", "mistral"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "mixtral": ("MixtralForCausalLM", "mixtral"),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+    "gemma2": ("Gemma2ForCausalLM", "gemma2"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 BOS, EOS, IM_START, IM_END = "<|begin_of_text|>", "<|end_of_text|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [BOS, EOS, IM_START, IM_END]
@@ -80,7 +84,25 @@ def tiny_config(family: str = "llama", **overrides: Any) -> dict[str, Any]:
         config["attention_bias"] = False
     if family == "mistral":
         config["sliding_window"] = None
+    if family in ("mixtral", "qwen3_moe"):
+        config.update(num_local_experts=4, num_experts_per_tok=2)
+    if family == "qwen3_moe":
+        config.update(moe_intermediate_size=64, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    if family in ("gemma2", "gemma3"):
+        # Small windows, so a short prompt already has local layers that see only part of it.
+        config.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=16, sliding_window=32,
+                      tie_word_embeddings=True)
+        del config["hidden_act"]
+    if family == "gemma2":
+        config.update(attn_logit_softcapping=50.0, final_logit_softcapping=30.0)
+    if family == "gemma3":
+        del config["rope_theta"]
+        config["rope_parameters"] = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}
     config.update(overrides)
+    if family in ("gemma2", "gemma3") and "layer_types" not in overrides:  # local and global layers alternate
+        config["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
     return config
 
 
@@ -97,10 +119,11 @@ def write_tiny_model(path: str | Path, family: str = "llama", seed: int = 0, **o
     with torch.device("meta"):
         model = CausalLM(model_cfg)
     tensors: dict[str, torch.Tensor] = {}
-    for name, (param, start, end) in model.checkpoint_layout().items():  # Hugging Face names and shapes
-        shape = (end - start, *model.get_parameter(param).shape[1:])
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(shape)
+    for name, (param, expert, start, end) in model.checkpoint_layout().items():  # Hugging Face names and shapes
+        full = model.get_parameter(param).shape
+        shape = (end - start, *(full[1:] if expert is None else full[2:]))
+        if name.endswith("norm.weight"):  # Gemma's norms multiply by (1 + w)
+            tensors[name] = torch.zeros(shape) if model_cfg.gemma_norms else torch.ones(shape)
         else:
             # A wider spread than the usual 0.02 makes the next-token distribution peaked, so
             # greedy decoding is well defined and tiny numeric noise does not flip tokens.

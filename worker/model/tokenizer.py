@@ -68,6 +68,14 @@ class Tokenizer:
         """The `tokenizers.Tokenizer` itself (the router reads its vocabulary and normalizers)."""
         return self._tok
 
+    def encoded_vocab(self) -> list[str]:
+        """Every token's string as the tokenizer stores it (byte-level symbols, ▁...), indexed by id."""
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        out = [""] * (max(vocab.values(), default=-1) + 1)
+        for token, token_id in vocab.items():
+            out[token_id] = token
+        return out
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
@@ -84,9 +92,14 @@ class Tokenizer:
             raise ValueError("this model has no chat template (tokenizer_config.json has no chat_template)")
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
             raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
-        template = _compile(self.chat_template)
-        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs))
+        from jinja2.exceptions import TemplateError
+
+        try:
+            template = _compile(self.chat_template)
+            return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs))
+        except TemplateError as exc:  # the template's raise_exception (it refuses these messages) or its syntax
+            raise ValueError(f"the chat template refused the messages: {exc}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -118,9 +131,16 @@ def _compile(source: str) -> Any:
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        # As transformers sets its environment up: published templates use {% break %} and tojson's options.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+        env.filters["tojson"] = tojson
         _COMPILED[source] = env.from_string(source)
     return _COMPILED[source]

@@ -1,7 +1,8 @@
 """Prometheus collectors built from the shared definitions in tandem.worker.metrics.
 
 Names, kinds, help and label names come only from there; this module just instantiates them
-in a private registry and pre-fills the model/role/pool labels of this process.
+in a private registry and pre-fills the model/role/pool labels of this process. The same registry
+renders, in the same scrape, vLLM's names for some of them (tandem.worker.metrics_vllm).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 
 from tandem.worker import metrics as m
+from tandem.worker.metrics_vllm import WithVllmNames, mirrors_for
 
 
 class Telemetry:
@@ -20,6 +22,7 @@ class Telemetry:
         self._collectors: dict[str, MetricWrapperBase] = {}
         for d in defs:
             self._collectors[d.name] = self._make(d)
+        self._scrape = WithVllmNames(self.registry, mirrors_for(role))
 
     def _make(self, d: m.MetricDef) -> MetricWrapperBase:
         if d.kind == "gauge":
@@ -59,4 +62,4 @@ class Telemetry:
         self._child(d, extra).observe(value)  # type: ignore[attr-defined]
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self._scrape)
