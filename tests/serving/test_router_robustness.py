@@ -223,8 +223,9 @@ def test_request_body_over_the_limit_is_a_413(start_router: Callable[..., str]) 
 def test_back_to_back_requests_keep_their_prefill_worker(start_router: Callable[..., str]) -> None:
     # 800-token prompts sharing their first block: the affinity slack is 2048 tokens, so before
     # prefills were tracked while in flight, the 4th request inside one 0.5 s poll went elsewhere.
+    # The first-block policy is the one with a slack (the prefix policy's bound spreads these on purpose).
     a, b = FakeWorker("prefill"), FakeWorker("prefill")
-    url = start_router([a, b], [FakeWorker("decode")])
+    url = start_router([a, b], [FakeWorker("decode")], "--placement", "first-block")
     for i in range(12):
         resp = completion(url, "a " * 800 + f"request {i}")
         assert resp.status_code == 200, resp.text

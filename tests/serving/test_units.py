@@ -21,6 +21,7 @@ from tandem.worker.bench.workload import (
     resolve_trace,
     scale_trace,
 )
+from tandem.worker.kv.prefix_hash import block_hashes
 from tandem.worker.router.discovery import read_workers_file, ready_endpoints
 from tandem.worker.router.errors import APIError
 from tandem.worker.router.openai_api import (
@@ -30,7 +31,7 @@ from tandem.worker.router.openai_api import (
     resolve_max_tokens,
     sampling_from,
 )
-from tandem.worker.router.placement import Candidate, PrefixAffinity, pick_decode, pick_prefill, prefix_key
+from tandem.worker.router.placement import Candidate, PrefixAffinity, pick_decode, pick_prefill
 from tandem.worker.router.tokens import TextAssembler
 
 
@@ -55,11 +56,16 @@ def test_prefill_by_queue_and_prefix_affinity(preferred: str | None, queues: tup
     assert pick_prefill(cands, "h", preferred).url == expected  # type: ignore[union-attr]
 
 
+def first_block(tokens: list[int]) -> bytes | None:
+    """The first-block policy's key: the hash of the prompt's first full block."""
+    return next(iter(block_hashes(tokens, 16)), None)
+
+
 def test_prefix_affinity_is_bounded_and_keyed_by_first_block() -> None:
     aff = PrefixAffinity(capacity=2)
-    k1, k2, k3 = (prefix_key([i] * 16 + [99], 16) for i in range(3))
-    assert prefix_key([1, 2, 3], 16) is None
-    assert prefix_key([7] * 16 + [1], 16) == prefix_key([7] * 16 + [2, 3], 16)
+    k1, k2, k3 = (first_block([i] * 16 + [99]) for i in range(3))
+    assert first_block([1, 2, 3]) is None
+    assert first_block([7] * 16 + [1]) == first_block([7] * 16 + [2, 3])
     aff.put(k1, "a")
     aff.put(k2, "b")
     aff.put(k3, "c")
@@ -113,7 +119,7 @@ def parse(body: dict[str, Any], chat: bool = False) -> Any:
 
 def test_vllm_extensions_and_defaults() -> None:
     req = parse({"model": "m", "prompt": "x", "max_tokens": 5, "ignore_eos": True, "top_k": -1, "stop": "##",
-                 "stream_options": {"include_usage": True}, "unknown_field": 1})
+                 "stream_options": {"include_usage": True}})  # unknown fields: 400 (test_router_openai_api)
     s = sampling_from(req, 5, False)
     assert (s.ignore_eos, s.top_k, s.stop, s.max_tokens) == (True, 0, ["##"], 5)
     assert req.stream_options.include_usage
@@ -125,7 +131,7 @@ def test_vllm_extensions_and_defaults() -> None:
 @pytest.mark.parametrize("body", [
     {"model": "m", "prompt": "x", "echo": True},
     {"model": "m", "prompt": ["a", "b"]},
-    {"model": "m", "prompt": "x", "presence_penalty": 0.5},
+    {"model": "m", "prompt": "x", "presence_penalty": 2.5},
     {"model": "m", "prompt": "x", "top_p": 0},
 ])
 def test_unsupported_or_invalid_is_a_400(body: dict[str, Any]) -> None:

@@ -20,6 +20,7 @@ from tandem.worker.router.limits import (
     DEFAULT_MAX_QUEUED_REQUESTS,
     DEFAULT_QUEUE_TIMEOUT_S,
 )
+from tandem.worker.router.placement import DEFAULT_BALANCE, DEFAULT_PLACEMENT, PLACEMENTS
 
 
 @click.command("router")
@@ -75,6 +76,12 @@ from tandem.worker.router.limits import (
               help="Seconds between output canary probes: one small greedy request prefilled locally and "
               "disaggregated on the same decode worker, which must give the same tokens "
               "(tandem_router_canary_probes_total); 0 turns it off.")
+@click.option("--placement", type=click.Choice(PLACEMENTS), default=DEFAULT_PLACEMENT, show_default=True,
+              help="How prefill workers are chosen: prefix = the worker holding the longest cached prefix of the "
+              "prompt, against its queued tokens, within --placement-balance; first-block = the last worker that "
+              "saw the prompt's first block; least-loaded; round-robin (docs/serving.md, Placement).")
+@click.option("--placement-balance", type=click.FloatRange(min=1.0), default=DEFAULT_BALANCE, show_default=True,
+              help="prefix placement: no prefill worker's recent prompt tokens above this times the mean.")
 @click.option("--log-level", default="info", show_default=True)
 @control_options
 def command(host: str, port: int, model_name: str | None, model_dir: Path | None, workers_file: Path | None,
@@ -83,7 +90,8 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
             stall_timeout: float, max_request_bytes: int, chat_template: Path | None, drain_timeout: float,
             api_keys: tuple[str, ...], api_key_file: Path | None, ssl_certfile: Path | None,
             ssl_keyfile: Path | None, max_concurrent_requests: int, max_queued_requests: int, queue_timeout: float,
-            header_timeout: float, body_timeout: float, canary_interval: float, log_level: str,
+            header_timeout: float, body_timeout: float, canary_interval: float, placement: str,
+            placement_balance: float, log_level: str,
             control_token_file: Path | None,
             insecure_control_api: bool) -> None:
     """Serve /v1/* by placing requests on prefill and decode workers."""
@@ -125,7 +133,7 @@ def command(host: str, port: int, model_name: str | None, model_dir: Path | None
                        chat_template=chat_template.read_text() if chat_template is not None else None,
                        api_keys=keys, max_concurrent_requests=max_concurrent_requests,
                        max_queued_requests=max_queued_requests, queue_timeout=queue_timeout,
-                       canary_interval=canary_interval)
+                       canary_interval=canary_interval, placement=placement, placement_balance=placement_balance)
     logging.getLogger(__name__).info(
         "serving %s on %s:%d; API keys %s", "HTTPS" if ssl_certfile else "HTTP", host, port,
         "required" if keys.enabled else "off (anyone who reaches this port can use it)")

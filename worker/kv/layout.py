@@ -30,6 +30,10 @@ class KVLayout:
     num_kv_heads: int  # per tensor-parallel rank
     head_dim: int
     tensor_parallel: int = 1
+    # What a block's bytes mean beyond their shape: the sliding-window layers and the window
+    # (`ModelConfig.attention_signature`, e.g. "window=4096;layers=SFSF"). Empty: every layer
+    # attends alike; then it is left out of the hash, so such layouts hash as before it existed.
+    attention: str = ""
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_SIZES:
@@ -55,5 +59,8 @@ class KVLayout:
         return 2 * self.num_layers * self.bytes_per_block_layer_kv
 
     def layout_hash(self) -> str:
-        payload = json.dumps({"v": LAYOUT_VERSION, **asdict(self)}, sort_keys=True)
+        fields = asdict(self)
+        if not fields["attention"]:
+            del fields["attention"]
+        payload = json.dumps({"v": LAYOUT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]

@@ -24,8 +24,9 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from tandem.worker import metrics as m
+from tandem.worker.kv.prefix_hash import block_hashes
 from tandem.worker.router import errors
-from tandem.worker.router.placement import PrefixAffinity, pick_decode, pick_prefill, prefix_key
+from tandem.worker.router.placement import DEFAULT_BALANCE, DEFAULT_PLACEMENT, PrefillPlacer, pick_decode
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.workers import WorkerRegistry, WorkerState
 from tandem.worker.server.protocol import (
@@ -69,6 +70,7 @@ class TokenEvent:
     token_ids: list[int]
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last event
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the sampling asks for them
 
 
 class WorkerLost(Exception):
@@ -83,13 +85,14 @@ class WorkerRejected(Exception):
 
 class Dispatcher:
     def __init__(self, registry: WorkerRegistry, telemetry: RouterTelemetry, eos_token_ids: set[int],
-                 block_size: int = 16, stall_timeout: float = 60.0, headers: Mapping[str, str] | None = None) -> None:
+                 block_size: int = 16, stall_timeout: float = 60.0, headers: Mapping[str, str] | None = None,
+                 placement: str = DEFAULT_PLACEMENT, balance: float = DEFAULT_BALANCE) -> None:
         self.registry = registry
         self.telemetry = telemetry
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.stall_timeout = stall_timeout
-        self.affinity = PrefixAffinity()
+        self.placer = PrefillPlacer(placement, balance)
         self._background: set[asyncio.Task[None]] = set()  # cancels in flight (_send_cancel)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256, keepalive_expiry=KEEPALIVE_S)
         # `headers`: the worker control token, on every call (reserve, prefill, decode, generate, cancel, abort).
@@ -204,7 +207,7 @@ class Dispatcher:
             body = DecodeRequest(request_id=f"{request_id}-pd", prompt_token_ids=prompt, first_token_id=shipped[0],
                                  sampling=sampling, kv_ready=kv_ready, deadline_s=_left(deadline))
             shipped += await self._collect(self._stream(used, "/decode", body, deadline))
-        prefill = self.affinity.get(prefix_key(prompt, self.block_size)) or "?"
+        prefill = self.placer.holder(block_hashes(prompt, self.block_size)) or "?"
         if not kv_ready or used.url != decode.url:  # decoded from its own prefill, or on another worker
             return None
         return decode.url, prefill, local, shipped
@@ -260,13 +263,17 @@ class Dispatcher:
         if reservation is not None:
             target = KVTarget(kv_address=reservation.kv_address, transfer_id=reservation.transfer_id,
                               block_ids=reservation.block_ids, layout_hash=reservation.layout_hash)
-        key = prefix_key(prompt, self.block_size)
+        # The engine's own chained block hashes: the prefix placement's keys (about 1 ms for 16k tokens).
+        hashes = block_hashes(prompt, self.block_size)
+        self.placer.retain(self.registry.workers)
         tried: set[str] = set()
         while True:
             prefills = [w for w in self.registry.usable(("prefill",)) if w.url not in tried]
-            cand = pick_prefill([w.candidate() for w in prefills], layout_hash, self.affinity.get(key))
+            cand = self.placer.choose([w.candidate() for w in prefills], layout_hash, len(prompt), self.block_size,
+                                      hashes)
             if cand is None:
                 break
+            self.placer.placed(cand, len(prompt), hashes)  # now: requests right behind it see it
             worker = self.registry.workers[cand.url]
             tried.add(worker.url)
             body = PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
@@ -299,13 +306,13 @@ class Dispatcher:
             finally:
                 worker.active -= 1
                 worker.prefill_ended(len(prompt))
-            self.affinity.put(key, worker.url)
             kv_ready = bool(resp.kv_sent and reservation is not None)
             if resp.error:
                 log.warning("request %s: KV transfer from %s failed (%s); decode prefills locally",
                             request_id, worker.url, resp.error)
             event = TokenEvent([resp.first_token_id], [resp.logprob] if resp.logprob is not None else None,
-                               self._finish_after_first(resp.first_token_id, sampling))
+                               self._finish_after_first(resp.first_token_id, sampling),
+                               [resp.top_logprobs] if resp.top_logprobs is not None else None)
             if reservation is not None and not kv_ready and not decode.usable and event.finish_reason is None:
                 # Its /decode would only wait out the stall timeout: start over instead.
                 raise self._abandon(decode, request_id, deadline, "stopped answering and the KV did not reach it")
@@ -491,7 +498,7 @@ class Dispatcher:
                         raise WorkerLost(f"{worker.url} aborted the request")
                     if chunk.token_ids or reason:
                         last_token = time.monotonic()
-                        yield TokenEvent(chunk.token_ids, chunk.logprobs, reason)
+                        yield TokenEvent(chunk.token_ids, chunk.logprobs, reason, chunk.top_logprobs)
                     if reason is None and time.monotonic() >= deadline:
                         raise errors.timeout("the request's deadline passed before it finished")
         except (httpx.HTTPError, ValidationError, json.JSONDecodeError) as exc:

@@ -1,19 +1,37 @@
 """Pure placement policy: which prefill and which decode worker get a request.
 
 Decode: most free KV blocks (the scarce resource while decoding), after subtracting blocks the
-router has handed out since that worker last reported. Prefill: shortest queued-token backlog,
-but stay on the worker that last served the same prompt prefix (its prefix cache has it) unless
-that worker is more than `affinity_slack` tokens behind the best one.
+router has handed out since that worker last reported.
+
+Prefill (`PrefillPlacer`, policy `prefix`, the default): the worker that would finish this prompt
+soonest, counting its queued prompt tokens plus the prompt tokens it would have to compute, that is
+the prompt less the longest prefix its cache holds (prefix_index.py). So a conversation's next turn
+goes where its history is cached, and a new conversation that shares only the system prompt goes
+where the backlog is shortest. Bounded load keeps one hot prefix from taking a worker over: a worker
+whose recent share of prompt tokens (decayed per placement) would pass `balance` times the mean is
+left out, unless every worker would. The older policies stay for comparison (`--placement`):
+`first-block` (affinity keyed on the prompt's first block, within `AFFINITY_SLACK_TOKENS` of the
+shortest queue), `least-loaded` (shortest queue) and `round-robin`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import itertools
 from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+
+from tandem.worker.kv.prefix_hash import BlockHash
+from tandem.worker.router.prefix_index import PrefixIndex
 
 AFFINITY_SLACK_TOKENS = 2048
 AFFINITY_ENTRIES = 4096
+PLACEMENTS = ("prefix", "first-block", "least-loaded", "round-robin")
+DEFAULT_PLACEMENT = "prefix"
+DEFAULT_BALANCE = 1.25  # no worker's recent prompt tokens above this times the mean
+# The recent load halves every this many placements per worker: long enough to even out one
+# conversation's turns, short enough that a worker that joins gets its share within minutes.
+LOAD_HALF_LIFE_PER_WORKER = 64
 
 
 @dataclass
@@ -23,6 +41,8 @@ class Candidate:
     free_blocks: int = 0
     queued_tokens: int = 0
     active: int = 0  # requests the router has in flight there
+    cache_blocks: int = 0  # the worker's KV pool, in blocks (bounds what its prefix cache can hold)
+    cache_queries: int = 0  # its cumulative prefix-cache lookups: a drop means it restarted, cache empty
 
 
 def pick_decode(cands: list[Candidate], exclude: set[str] | frozenset[str] = frozenset(),
@@ -33,27 +53,21 @@ def pick_decode(cands: list[Candidate], exclude: set[str] | frozenset[str] = fro
     return max(pool, key=lambda c: (c.free_blocks, -c.active, c.url))
 
 
-def prefix_key(token_ids: list[int], block_size: int) -> str | None:
-    """Identity of the prompt's first full block (None for prompts shorter than a block)."""
-    if len(token_ids) < block_size:
-        return None
-    return hashlib.blake2b(repr(token_ids[:block_size]).encode(), digest_size=8).hexdigest()
-
-
 class PrefixAffinity:
-    """Remembers which prefill worker last saw a prefix (bounded, least recently used out)."""
+    """Remembers which prefill worker last saw a prefix, keyed by its first block's hash (bounded, least
+    recently used out). The first-block policy's memory."""
 
     def __init__(self, capacity: int = AFFINITY_ENTRIES) -> None:
-        self._map: OrderedDict[str, str] = OrderedDict()
+        self._map: OrderedDict[Hashable, str] = OrderedDict()
         self.capacity = capacity
 
-    def get(self, key: str | None) -> str | None:
+    def get(self, key: Hashable | None) -> str | None:
         if key is None or key not in self._map:
             return None
         self._map.move_to_end(key)
         return self._map[key]
 
-    def put(self, key: str | None, url: str) -> None:
+    def put(self, key: Hashable | None, url: str) -> None:
         if key is None:
             return
         self._map[key] = url
@@ -73,3 +87,89 @@ def pick_prefill(cands: list[Candidate], layout_hash: str, preferred: str | None
         if c.url == preferred and c.queued_tokens <= best.queued_tokens + slack:
             return c
     return best
+
+
+def pick_by_prefix(pool: Sequence[Candidate], overlap: dict[str, int], recent: dict[str, float],
+                   num_tokens: int, block_size: int, balance: float = DEFAULT_BALANCE) -> Candidate | None:
+    """The prefix policy's choice: least work ahead of this prompt's last token (queued tokens plus the
+    tokens not in the worker's cache), among workers whose recent load stays within `balance` x mean."""
+    if not pool:
+        return None
+
+    def todo(c: Candidate) -> int:
+        return c.queued_tokens + max(0, num_tokens - overlap.get(c.url, 0) * block_size)
+
+    mean_after = (sum(recent.get(c.url, 0.0) for c in pool) + num_tokens) / len(pool)
+    # As bounded-load hashing rounds its bound up to a whole request: one prompt above the mean is
+    # always allowed, or the first few requests could only go round robin, whatever they share.
+    bound = max(balance * mean_after, mean_after + num_tokens)
+    within = [c for c in pool if recent.get(c.url, 0.0) + num_tokens <= bound]
+    if within:
+        return min(within, key=lambda c: (todo(c), recent.get(c.url, 0.0), c.active, c.url))
+    # Every worker would pass the bound (a cold start, or one prompt far above the mean): spread.
+    return min(pool, key=lambda c: (recent.get(c.url, 0.0), todo(c), c.active, c.url))
+
+
+class PrefillPlacer:
+    """Chooses prefill workers under one policy and keeps what that needs: the prefix index and the
+    recent load (prefix), the first-block affinity (first-block), the rotation (round-robin)."""
+
+    def __init__(self, policy: str = DEFAULT_PLACEMENT, balance: float = DEFAULT_BALANCE) -> None:
+        if policy not in PLACEMENTS:
+            raise ValueError(f"unknown placement {policy!r}; expected one of {', '.join(PLACEMENTS)}")
+        if balance < 1.0:
+            raise ValueError(f"the balance factor is a bound on max/mean load and must be >= 1, got {balance}")
+        self.policy = policy
+        self.balance = balance
+        self.index = PrefixIndex()
+        self.affinity = PrefixAffinity()
+        self.recent: dict[str, float] = {}
+        self._queries: dict[str, int] = {}
+        self._turn = itertools.count()
+
+    def choose(self, cands: Sequence[Candidate], layout_hash: str, num_tokens: int, block_size: int,
+               hashes: Sequence[BlockHash], exclude: Iterable[str] = ()) -> Candidate | None:
+        """The worker for a prompt of `num_tokens` tokens whose full blocks (of `block_size` tokens) hash to
+        `hashes`, or None when no candidate fits."""
+        skip = set(exclude)
+        self._notice_restarts(cands)
+        pool = [c for c in cands if c.url not in skip and c.layout_hash == layout_hash]
+        if self.policy == "first-block":
+            return pick_prefill(pool, layout_hash, self.affinity.get(hashes[0] if hashes else None))
+        if self.policy == "least-loaded":
+            return pick_prefill(pool, layout_hash, None)
+        if self.policy == "round-robin":
+            ordered = sorted(pool, key=lambda c: c.url)
+            return ordered[next(self._turn) % len(ordered)] if ordered else None
+        overlap = self.index.overlap(hashes, [c.url for c in pool])
+        return pick_by_prefix(pool, overlap, self.recent, num_tokens, block_size, self.balance)
+
+    def placed(self, cand: Candidate, num_tokens: int, hashes: Sequence[BlockHash]) -> None:
+        """The prompt went to `cand`: its cache will hold the prompt's blocks, and its recent load grows."""
+        self.affinity.put(hashes[0] if hashes else None, cand.url)
+        self.index.record(cand.url, hashes, cand.cache_blocks or None)
+        workers = max(1, len(self.recent | {cand.url: 0.0}))
+        decay = 0.5 ** (1.0 / (LOAD_HALF_LIFE_PER_WORKER * workers))
+        for url in self.recent:
+            self.recent[url] *= decay
+        self.recent[cand.url] = self.recent.get(cand.url, 0.0) + num_tokens
+
+    def holder(self, hashes: Sequence[BlockHash]) -> str | None:
+        """The worker the index says holds the longest prefix of these blocks (None: none holds any)."""
+        overlap = self.index.overlap(hashes, self.index.known())
+        best = max(overlap.items(), key=lambda kv: kv[1], default=(None, 0))
+        return best[0] if best[1] > 0 else None
+
+    def retain(self, urls: Iterable[str]) -> None:
+        """Forget workers that left (their cache and load no longer count)."""
+        keep = set(urls)
+        for url in [u for u in self.index.known() if u not in keep]:
+            self.index.forget(url)
+        for url in [u for u in self.recent if u not in keep]:
+            del self.recent[url]
+
+    def _notice_restarts(self, cands: Iterable[Candidate]) -> None:
+        for c in cands:
+            if c.cache_queries < self._queries.get(c.url, 0):
+                self.index.forget(c.url)
+            self._queries[c.url] = c.cache_queries

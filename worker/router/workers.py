@@ -76,7 +76,8 @@ class WorkerState:
         return Candidate(
             url=self.url, layout_hash=self.info.layout_hash,
             free_blocks=int(stats.get("num_free_blocks", 0)) - self.pending_blocks,
-            queued_tokens=self.queued_tokens, active=self.active)
+            queued_tokens=self.queued_tokens, active=self.active,
+            cache_blocks=int(stats.get("num_total_blocks", 0)), cache_queries=int(stats.get("prefix_cache_queries", 0)))
 
 
 class _ControlRefused(ValueError):

@@ -84,6 +84,7 @@ class StackSpec:
     api_keys: tuple[str, ...] = ()  # the router's API keys: in its environment (TANDEM_API_KEY), not its argv
     api_key_file: Path | None = None  # the router's --api-key-file
     canary_interval: float | None = None  # the router's --canary-interval (None: its default)
+    placement: str | None = None  # the router's --placement (None: its default)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -161,6 +162,8 @@ class LocalStack:
             argv += ["--api-key-file", str(s.api_key_file)]
         if s.canary_interval is not None:
             argv += ["--canary-interval", str(s.canary_interval)]
+        if s.placement is not None:
+            argv += ["--placement", s.placement]
         env = {"TANDEM_API_KEY": " ".join(s.api_keys)} if s.api_keys else {}
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log", env=env))
 
