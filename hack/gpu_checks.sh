@@ -6,6 +6,9 @@
 # from .gpu-wheels, and the repo is imported in place (a `tandem` package of links to worker/ and
 # operator/) instead of being installed. Each step's output goes to $OUT (8 files at most come back);
 # a failing step does not stop the next one; the exit status is the number of steps that failed.
+# GPU_CHECKS="name ..." runs only the steps named. The whole list is more than one run's 570 s and 8
+# files back, so the goodput step runs on its own:
+#   run(command="GPU_CHECKS=goodput bash hack/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=560)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/out/gpu}
@@ -15,6 +18,10 @@ failed=0
 step() {  # step NAME TIMEOUT_S COMMAND...: run it, log to $OUT/NAME.log, note the outcome in summary.txt
   local name=$1 limit=$2 start=$SECONDS rc
   shift 2
+  if [ -n "${GPU_CHECKS:-}" ] && [[ " $GPU_CHECKS " != *" $name "* ]]; then  # GPU_CHECKS="goodput serve": only those
+    echo "== $name: skipped (not in GPU_CHECKS)" | tee -a "$OUT/summary.txt"
+    return
+  fi
   echo "== $name: $*" | tee -a "$OUT/summary.txt"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
   rc=$?
@@ -45,5 +52,14 @@ step serve 120 python3 hack/gpu_serve_check.py --json "$OUT/serve.json"
 # No GPU in it, but 16 cores: the tcp transport against the raw socket without the 2-core VM's contention.
 step bench_transfer 90 python3 hack/bench_transfer.py --sizes 64K,1M,4M,16M,64M --seconds 3 --rounds 6 \
   --variant tcp --variant unchecked:checks=off --variant zmq:floor=1
+# Goodput per GPU (docs/benchmarks.md, "Goodput"): the same script and code path as the CPU run, on a
+# ~0.6B random-weight model in bfloat16, 2048-token long prompts; all workers share the one GPU.
+if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  step goodput 480 python3 hack/bench_interference.py --goodput --device cuda --dtype bfloat16 --model gpu \
+    --long-prompt-tokens 2048 --short-prompt-tokens 128 --streams 16 --goodput-output-tokens 128 \
+    --kv-cache-mib 4096 --max-probes 4 --probe-seconds 10 --probe-max-requests 400 --json "$OUT/goodput.json"
+else  # a dry run here: the CPU figures come from the same script without --device cuda (docs/benchmarks.md)
+  echo "== goodput: skipped (no CUDA device)" | tee -a "$OUT/summary.txt"
+fi
 echo "== $failed step(s) failed" | tee -a "$OUT/summary.txt"
 exit "$failed"

@@ -65,3 +65,25 @@ def overall_failure(results: list[RequestResult], planned: int) -> str | None:
         return f"none of the {planned} requests was sent (their send times were past --max-duration)"
     first = next((r.error for r in results if r.error), "no error message")
     return f"all {len(results)} requests failed; the first error: {first}"
+
+
+def cell(value: Any, spec: str = "") -> str:
+    """One table cell: `spec` applied to a number, "-" for a value that was not measured (None, NaN)."""
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def text_table(columns: list[tuple[str, str, str]], rows: list[dict[str, Any]]) -> str:
+    """A plain-text table: columns are (header, key, format spec); a row missing a key shows "-".
+
+    A starved mode (no decode gap measured, no request finished) has None where a figure would be;
+    it must print as a row of dashes with its counts, not stop the report.
+    """
+    body = [[cell(row.get(key), spec) for _, key, spec in columns] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in body)]) for i, (h, _, _) in enumerate(columns)]
+
+    def line(cells: list[str]) -> str:  # the first column (the row's name) left-aligned, figures right
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
+    return "\n".join(line(r) for r in [[h for h, _, _ in columns], *body])
