@@ -135,3 +135,24 @@ def test_seeded_sampling_split_across_engines_equals_one_engine(tiny_model_dir: 
         rest = SamplingParams(**{**vars(SEEDED), "max_tokens": SEEDED.max_tokens - k})
         decode.add_request(f"k{k}", prompt + expected[:k], rest, sampled_before=k)
         assert _tokens(_drain(decode)[f"k{k}"]) == expected[k:]
+
+
+def test_penalised_sampling_split_across_engines_equals_one_engine(tiny_model_dir: Path) -> None:
+    """Penalties count the prefill worker's first token, and a migration's tokens, as generated:
+    split across engines, the tokens are a single engine's (and the penalties change them)."""
+    params = SamplingParams(max_tokens=32, temperature=0.5, seed=99, ignore_eos=True, presence_penalty=2.0,
+                            frequency_penalty=1.0, repetition_penalty=1.1, logit_bias={5: 1.0})
+    both = _engine(tiny_model_dir)
+    prefill = _engine(tiny_model_dir, role="prefill")
+    decode = _engine(tiny_model_dir, role="decode")
+    [prompt] = random_prompts((27,), seed=36)
+    [expected] = both.generate([prompt], params)
+    assert expected != both.generate([prompt], SamplingParams(**{**vars(params), "presence_penalty": 0.0,
+                                                                 "frequency_penalty": 0.0,
+                                                                 "repetition_penalty": 1.0, "logit_bias": {}}))[0]
+    first = _hand_over(prefill, decode, "s", prompt, params)
+    assert [first, *_tokens(_drain(decode)["s"])] == expected
+    for k in (1, 5, 20):
+        rest = SamplingParams(**{**vars(params), "max_tokens": params.max_tokens - k})
+        decode.add_request(f"k{k}", prompt + expected[:k], rest, sampled_before=k)
+        assert _tokens(_drain(decode)[f"k{k}"]) == expected[k:]

@@ -112,7 +112,7 @@ def test_logprobs_match_transformers(hf_model: Callable[..., HFModel]) -> None:
     hf = hf_model("qwen2")
     [prompt] = random_prompts((23,), seed=11)
     engine = hf.engine()
-    engine.add_request("lp", prompt, dataclasses.replace(GREEDY, max_tokens=5, logprobs=True))
+    engine.add_request("lp", prompt, dataclasses.replace(GREEDY, max_tokens=5, logprobs=True, top_logprobs=3))
     outs = list(engine.iter_outputs())
     tokens = [t for o in outs for t in o.new_token_ids]
     got = [lp for o in outs for lp in (o.logprobs or [])]
@@ -121,3 +121,8 @@ def test_logprobs_match_transformers(hf_model: Callable[..., HFModel]) -> None:
     expected = [torch.log_softmax(step[0].float(), dim=-1)[t].item() for step, t in zip(ref.logits, tokens, strict=True)]
     assert tokens == ref.sequences[0, len(prompt):].tolist()
     assert got == pytest.approx(expected, abs=1e-4)
+    tops = [top for o in outs for top in (o.top_logprobs or [])]
+    for top, step in zip(tops, ref.logits, strict=True):  # the 3 most likely tokens, with transformers' logprobs
+        ref_lp = torch.log_softmax(step[0].float(), dim=-1)
+        assert [t for t, _ in top] == torch.topk(ref_lp, 3).indices.tolist()
+        assert [lp for _, lp in top] == pytest.approx(torch.topk(ref_lp, 3).values.tolist(), abs=1e-4)

@@ -111,10 +111,11 @@ def test_a_batch_that_raises_is_sampled_row_by_row(engine: LLMEngine, monkeypatc
     expected = tokens_of(run_requests(engine, {"a": (a, greedy)})["a"])
     real = llm_engine.sample
 
-    def raises_with_b(logits: torch.Tensor, params: Any, generators: Any, default: torch.Generator) -> Any:
+    def raises_with_b(logits: torch.Tensor, params: Any, generators: Any, default: torch.Generator,
+                      raw_logits: torch.Tensor | None = None) -> Any:
         if any(p.max_tokens == 4 for p in params):  # "b" is the request with max_tokens 4
             raise RuntimeError("one request's settings broke the batch")
-        return real(logits, params, generators, default)
+        return real(logits, params, generators, default, raw_logits)
 
     monkeypatch.setattr(llm_engine, "sample", raises_with_b)
     outs = run_requests(engine, {"a": (a, greedy), "b": (b, SamplingParams(max_tokens=4, temperature=0))})

@@ -73,6 +73,22 @@ def test_logprobs_are_the_models_log_softmax() -> None:
     assert all(lp <= 0 for lp in logprobs)
 
 
+def test_top_logprobs_are_each_rows_best_tokens_cut_to_its_own_k() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, 3.0], [0.0, 3.0, 1.0, -1.0], [1.0, 1.0, 1.0, 1.0]])
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=2),
+              SamplingParams(temperature=0, logprobs=True, top_logprobs=4), SamplingParams(temperature=0)]
+    top = sample(logits, params, [None] * 3, torch.Generator()).top_logprobs
+    expected = torch.log_softmax(logits, dim=-1)
+    assert top is not None and [[t for t, _ in row] for row in top] == [[3, 0], [1, 2, 0, 3], []]
+    assert [lp for _, lp in top[1]] == pytest.approx(expected[1, [1, 2, 0, 3]].tolist())
+
+
+def test_top_logprobs_need_logprobs_and_stay_in_range() -> None:
+    for bad in ({"top_logprobs": 2}, {"logprobs": True, "top_logprobs": 21}, {"logprobs": True, "top_logprobs": -1}):
+        with pytest.raises(ValueError, match="top_logprobs"):
+            SamplingParams(**bad)  # type: ignore[arg-type]
+
+
 def test_engine_returns_one_logprob_per_token(engine: LLMEngine) -> None:
     [prompt] = random_prompts((9,), seed=11)
     outs = run_requests(engine, {"lp": (prompt, SamplingParams(max_tokens=5, temperature=0, logprobs=True,

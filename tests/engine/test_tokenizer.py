@@ -79,3 +79,34 @@ def test_word_initial_spaces_survive_for_sentencepiece_style_tokenizers(tmp_path
     assert tokenizer.decode(continuation) == "the quick fox"  # decoded alone: the leading space is gone
     detok = tokenizer.new_detokenizer(prompt)
     assert "".join(detok.push(t) for t in continuation) == " the quick fox"
+
+
+# Written for this test (no copy of a published template): the features published templates use, loop
+# controls, raise_exception, tojson with its options, a system prompt taken out of the loop, trimming.
+FEATURE_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}\
+{% set rest = messages[1:] %}{% else %}{% set system = 'You are helpful.' %}{% set rest = messages %}{% endif %}
+<<SYS>>{{ system }}<</SYS>>
+{% for m in rest %}
+  {% if m['role'] == 'system' %}{{ raise_exception('only the first message may be a system message') }}{% endif %}
+  {% if m['content'] == 'STOP' %}{% break %}{% endif %}
+  {% if m['content'] == 'SKIP' %}{% continue %}{% endif %}
+[{{ m['role'] }}] {{ m['content'] }} {{ {'n': loop.index, 'r': m['role']} | tojson(sort_keys=True) }}
+{% endfor %}
+{% if add_generation_prompt %}[assistant]{% endif %}"""
+
+
+def test_chat_template_renders_as_transformers_does(tiny_model_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference (test extra)")
+    ours = Tokenizer(tiny_model_dir)
+    ours.chat_template = FEATURE_TEMPLATE
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "SKIP"}, {"role": "user", "content": "Zürich"},
+                {"role": "user", "content": "STOP"}, {"role": "user", "content": "never shown"}]
+    for msgs in (messages, messages[1:]):
+        for gen in (True, False):
+            expected = theirs.apply_chat_template(msgs, chat_template=FEATURE_TEMPLATE, tokenize=False,
+                                                  add_generation_prompt=gen)
+            assert ours.apply_chat_template(msgs, add_generation_prompt=gen) == expected
+    with pytest.raises(ValueError, match="only the first message may be a system message"):
+        ours.apply_chat_template([{"role": "user", "content": "x"}, {"role": "system", "content": "late"}])

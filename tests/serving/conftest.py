@@ -71,12 +71,12 @@ def tokenizer(tiny_model: Path) -> Any:
 def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Stack]]:
     started: list[Stack] = []
 
-    def start(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None) -> Stack:
+    def start(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None, model: Path | None = None) -> Stack:
         port = free_port()
         work = tmp_path_factory.mktemp("stack")
         state_file = work / "state.json"
         log = work / "serve.log"
-        argv = [sys.executable, "-m", "tandem.worker.cli", "serve", "--model", str(tiny_model), "--model-name", "tiny",
+        argv = [sys.executable, "-m", "tandem.worker.cli", "serve", "--model", str(model or tiny_model), "--model-name", "tiny",
                 "--port", str(port), "--kv-cache-bytes", str(KV_CACHE_BYTES), "--log-dir", str(work / "logs"),
                 "--state-file", str(state_file), *args]
         with log.open("wb") as fh:

@@ -26,7 +26,7 @@ def post(stack: Stack, path: str, body: bytes | dict) -> httpx.Response:  # type
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 99999]}, 400, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 3}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "n": 30}, 400, "n"),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "model"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi " * 3000}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 100000}, 400, "max_tokens"),

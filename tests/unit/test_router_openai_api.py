@@ -9,7 +9,13 @@ from typing import Any
 import pytest
 
 from tandem.worker.router.errors import APIError
-from tandem.worker.router.openai_api import ChatRequest, CompletionRequest, chat_messages, parse_body
+from tandem.worker.router.openai_api import (
+    ChatRequest,
+    CompletionRequest,
+    chat_messages,
+    parse_body,
+    sampling_from,
+)
 
 
 def parse(body: dict[str, Any], chat: bool = False) -> Any:
@@ -64,3 +70,69 @@ def test_assistant_message_may_leave_content_out() -> None:
                                             {"role": "user", "content": [{"type": "text", "text": "again"}]}],
                  "max_completion_tokens": 3, "logprobs": None}, chat=True)
     assert [m["content"] for m in chat_messages(req)] == ["hi", "", "", "again"]
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"functions": [{"name": "f"}]}, "functions"), ({"made_up_option": 1}, "made_up_option"),
+    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
+])
+def test_unimplemented_fields_are_refused_not_dropped(extra: dict[str, Any], param: str) -> None:
+    for chat, base in ((False, {"prompt": "x"}), (True, {"messages": [{"role": "user", "content": "x"}]})):
+        err = refused({"model": "m", **base, **extra}, chat=chat)
+        assert err.param == param and param.split(".")[-1] in err.message, err.message
+
+
+def test_tools_are_chat_only() -> None:
+    for extra, param in (({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+                         ({"tool_choice": "auto"}, "tool_choice")):
+        err = refused({"model": "m", "prompt": "x", **extra})
+        assert err.param == param and param in err.message, err.message
+
+
+def test_assistant_tool_calls_reach_the_template_with_arguments_as_objects() -> None:
+    call = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]
+    req = parse({"model": "m", "messages": [{"role": "user", "content": "x"},
+                                            {"role": "assistant", "content": None, "tool_calls": call}]}, chat=True)
+    assert chat_messages(req)[1]["tool_calls"] == [{"id": "c", "type": "function",
+                                                    "function": {"name": "f", "arguments": {"a": 1}}}]
+    err = refused({"model": "m", "messages": [{"role": "user", "content": "x"},
+                                              {"role": "assistant", "tool_calls": [{"id": "c"}]}]}, chat=True)
+    assert err.param == "messages.1.tool_calls.0"
+
+
+@pytest.mark.parametrize("extra", [
+    {"tools": None, "tool_choice": None, "logit_bias": None, "response_format": {"type": "text"}, "functions": []},
+    {"user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "parallel_tool_calls": True},
+])
+def test_fields_that_ask_for_nothing_or_mean_nothing_here_are_accepted(extra: dict[str, Any]) -> None:
+    parse({"model": "m", "prompt": "x", **extra})
+    parse({"model": "m", "messages": [{"role": "user", "content": "x"}], **extra}, chat=True)
+
+
+def test_message_name_and_tool_call_id_reach_the_template_and_replayed_answers_are_accepted() -> None:
+    req = parse({"model": "m", "messages": [
+        {"role": "user", "content": "x", "name": "ann"},
+        {"role": "assistant", "content": "y", "refusal": None, "annotations": [], "tool_calls": None, "audio": None},
+        {"role": "tool", "content": "z", "tool_call_id": "c1"}]}, chat=True)
+    assert chat_messages(req) == [{"role": "user", "content": "x", "name": "ann"}, {"role": "assistant", "content": "y"},
+                                  {"role": "tool", "content": "z", "tool_call_id": "c1"}]
+
+
+def test_penalties_and_logit_bias_reach_the_sampling() -> None:
+    req = parse({"model": "m", "prompt": "x", "presence_penalty": -0.5, "frequency_penalty": 2,
+                 "repetition_penalty": 1.3, "logit_bias": {"7": -100, "3": 2.5}})
+    s = sampling_from(req, 4, False, vocab_size=10)
+    assert (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) == (-0.5, 2.0, 1.3)
+    assert s.logit_bias == {7: -100.0, 3: 2.5}
+
+
+@pytest.mark.parametrize("extra", [
+    {"presence_penalty": 2.01}, {"frequency_penalty": -3}, {"repetition_penalty": 0}, {"repetition_penalty": 5e-324},
+    {"logit_bias": {"1": 101}},
+    {"logit_bias": {"1": "5"}}, {"logit_bias": {"x": 1}}, {"logit_bias": {"-1": 1}}, {"logit_bias": {"10": 1}},
+    {"logit_bias": {"\u0661": 1}}, {"logit_bias": [1]},
+])
+def test_bad_penalties_and_logit_bias_are_400s_naming_the_field(extra: dict[str, Any]) -> None:
+    with pytest.raises(APIError) as info:
+        sampling_from(parse({"model": "m", "prompt": "x", **extra}), 4, False, vocab_size=10)
+    assert info.value.status == 400 and info.value.param == next(iter(extra)), info.value.message

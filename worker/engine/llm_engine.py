@@ -21,8 +21,10 @@ from ..model.config import ModelConfig
 from ..model.loader import TORCH_DTYPES, load_model
 from ..model.tokenizer import Tokenizer
 from .detokenizer import OutputText
+from .grammar import JSON_KINDS, Grammars, mask_logits
 from .kv_budget import free_memory_bytes, kv_budget_bytes
 from .outputs import EngineStats, LayerWrite, RequestOutput
+from .penalties import adjust_logits, wants_adjusting
 from .runner import ModelRunner
 from .sampler import DRAW_FAILED, Sampled, sample, skip_draws
 from .sampling_params import SamplingParams
@@ -48,6 +50,10 @@ class LLMEngine:
         self.model_config = model_config
         self.model_name = model_config.name
         self.tokenizer = Tokenizer(cfg.model_dir, extra_eos_ids=model_config.eos_token_ids)
+        # Structured outputs: nothing of xgrammar is loaded until a request brings a grammar.
+        self.grammars = Grammars(self.tokenizer.encoded_vocab(), self.tokenizer.backend.to_str(),
+                                 model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
+                                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
         report("config", 1.0)
         share_of_memory = cfg.memory_utilization is not None  # then the weights count against the KV budget
         free_before_load = free_memory_bytes(self.device) if share_of_memory else 0
@@ -55,7 +61,8 @@ class LLMEngine:
         weight_bytes = _weight_bytes(self.model) if share_of_memory else 0
         self.kv_layout = KVLayout(model=self.model_name, dtype=cfg.dtype, block_size=cfg.block_size,
                                   num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim)
+                                  head_dim=model_config.head_dim,
+                                  attention=model_config.attention_signature())
         self.max_model_len = self._max_model_len(model_config)
         bytes_per_token = self.kv_layout.bytes_per_block // cfg.block_size
         budget = kv_budget_bytes(cfg, self.device, bytes_per_token, self.max_model_len, free_before_load, weight_bytes)
@@ -99,6 +106,7 @@ class LLMEngine:
         prompt here); a seeded request's generator skips their draws and continues where that one was."""
         self._check_new(request_id, prompt_token_ids, params)
         seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time, sampled_before)
+        seq.num_sampled_in_prompt = sampled_before  # outputs, for the presence and frequency penalties
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -149,14 +157,28 @@ class LLMEngine:
         """Sample every row at once; if that raises (one request's settings tripping something the
         checks did not foresee), sample row by row so the failure stays with the row that causes it."""
         params, generators = [s.params for s in seqs], [s.generator for s in seqs]
+        raw = logits
+        if any(wants_adjusting(p) for p in params):  # logprobs stay the model's own (raw), as vLLM's default
+            logits = adjust_logits(logits, params, [s.token_ids for s in seqs],
+                                   [s.num_output_tokens + s.num_sampled_in_prompt for s in seqs],
+                                   self.tokenizer.eos_token_ids)
+        if any(s.matcher is not None for s in seqs):
+            if logits is raw:
+                logits = logits.clone()
+            json_rows = [i for i, s in enumerate(seqs) if s.matcher is not None and s.params.grammar is not None
+                         and s.params.grammar[0] in JSON_KINDS]
+            mask_logits(logits, [s.matcher for s in seqs], json_rows,
+                        self.grammars.control_tokens() if json_rows else None)
         try:
-            return sample(logits, params, generators, self._default_generator)
+            return sample(logits, params, generators, self._default_generator, raw)
         except Exception:
             log.exception("sampling a batch of %d failed; sampling its requests one by one", len(seqs))
-        merged = Sampled([0] * len(seqs), [0.0] * len(seqs) if any(p.logprobs for p in params) else None)
+        merged = Sampled([0] * len(seqs), [0.0] * len(seqs) if any(p.logprobs for p in params) else None,
+                         top_logprobs=[[] for _ in seqs] if any(p.top_logprobs for p in params) else None)
         for i in range(len(seqs)):
             try:
-                one = sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1], self._default_generator)
+                one = sample(logits[i:i + 1], params[i:i + 1], generators[i:i + 1], self._default_generator,
+                             raw[i:i + 1])
             except Exception:
                 log.exception("request %s: sampling failed", seqs[i].request_id)
                 merged.errors[i] = DRAW_FAILED
@@ -164,6 +186,8 @@ class LLMEngine:
             merged.tokens[i] = one.tokens[0]
             if merged.logprobs is not None and one.logprobs is not None:
                 merged.logprobs[i] = one.logprobs[0]
+            if merged.top_logprobs is not None and one.top_logprobs is not None:
+                merged.top_logprobs[i] = one.top_logprobs[0]
             if 0 in one.errors:
                 merged.errors[i] = one.errors[0]
         return merged
@@ -171,14 +195,20 @@ class LLMEngine:
     def _advance(self, seq: Sequence, sampled: Sampled, row: int) -> RequestOutput:
         """Append a request's newly sampled token; its output (a hand-over on the prefill role)."""
         token = sampled.tokens[row]
+        if seq.matcher is not None and not seq.matcher.accept_token(token):
+            raise RuntimeError(f"token {token} does not follow the request's grammar")  # the mask let it through?
         seq.token_ids.append(token)
         reason = self._stop_reason(seq, token)
         lp = [sampled.logprobs[row]] if sampled.logprobs is not None and seq.params.logprobs else None
+        top = [sampled.top_logprobs[row]] if sampled.top_logprobs is not None and seq.params.top_logprobs else None
         if self.config.role == "prefill":  # even when the first token ends it: its KV may be in flight
-            return self._hand_over(seq, token, lp, reason or "prefilled")
-        if reason is not None:
-            self._finish(seq, reason)
-        return self._output(seq, [token], lp)
+            out = self._hand_over(seq, token, lp, reason or "prefilled")
+        else:
+            if reason is not None:
+                self._finish(seq, reason)
+            out = self._output(seq, [token], lp)
+        out.top_logprobs = top
+        return out
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:
         """End one request with an error (its blocks freed); the rest of the batch goes on."""
@@ -277,7 +307,12 @@ class LLMEngine:
         except ValueError:
             self._reserved[request_id] = blocks
             raise
-        seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time, sampled_before=1)
+        try:
+            seq = self._new_sequence(request_id, prompt_token_ids, params, arrival_time, sampled_before=1,
+                                     produced=[first_token_id])
+        except ValueError:
+            self._reserved[request_id] = blocks
+            raise
         seq.block_table = blocks
         seq.num_computed_tokens = len(prompt_token_ids)
         seq.prefix_recorded = True
@@ -297,9 +332,7 @@ class LLMEngine:
     # ----- internals -----
 
     def _max_model_len(self, mc: ModelConfig) -> int:
-        limit = mc.max_position_embeddings
-        if mc.sliding_window is not None:
-            limit = min(limit, mc.sliding_window)  # beyond the window, full attention would be wrong
+        limit = mc.max_position_embeddings  # sliding windows are masked per layer: no cap at the window
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
@@ -316,13 +349,18 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in prompt):
             raise ValueError(f"request {request_id!r}: prompt token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.logit_bias):
+            raise ValueError(f"request {request_id!r}: logit_bias token ids must be in [0, {vocab})")
         total = len(prompt) + params.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"request {request_id!r}: prompt ({len(prompt)} tokens) + max_tokens "
                              f"({params.max_tokens}) = {total} exceeds max_model_len {self.max_model_len}")
 
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams,
-                      arrival_time: float | None, sampled_before: int = 0) -> Sequence:
+                      arrival_time: float | None, sampled_before: int = 0,
+                      produced: list[int] | None = None) -> Sequence:
+        """`produced`: the tokens sampled before (default: the prompt's last `sampled_before`), which a
+        grammar's matcher must follow before it masks this request's next token."""
         # Tokens sampled before end the prompt, so the prompt bounds them: each costs a draw below, on
         # the engine thread, which an unbounded count would hold for as long as it likes.
         if not 0 <= sampled_before <= len(prompt):
@@ -333,15 +371,24 @@ class LLMEngine:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
             if not params.greedy:  # greedy tokens draw nothing
                 skip_draws(generator, self.model_config.vocab_size, sampled_before)
+        matcher = None
+        if params.grammar is not None:
+            if produced is None:
+                produced = prompt[len(prompt) - sampled_before:] if sampled_before else []
+            matcher = self.grammars.matcher(params.grammar, produced)
         text = OutputText(self.tokenizer.new_detokenizer(prompt), params.stop)
-        return Sequence(request_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
-                        text, generator)
+        seq = Sequence(request_id, prompt, params, arrival_time if arrival_time is not None else time.time(),
+                       text, generator)
+        seq.matcher = matcher
+        return seq
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.tokenizer.eos_token_ids):
             return "stop"
         if seq.text.push(token):
+            return "stop"
+        if seq.matcher is not None and seq.matcher.is_terminated():  # the grammar is complete (and ignore_eos)
             return "stop"
         if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"

@@ -20,6 +20,8 @@ class RequestOutput:
     # With finish_reason "error": why this request failed alone (its sampling, NaN logits...); a message
     # for its client. The other requests of the step were not affected.
     error: str | None = None
+    # Per new token, SamplingParams.top_logprobs (token id, logprob) pairs, best first, when it asks for any.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

@@ -30,12 +30,16 @@ class Sampled:
     tokens: list[int]  # one per row; meaningless where the row failed
     logprobs: list[float] | None  # when any request wants them
     errors: dict[int, str] = field(default_factory=dict)  # row -> why it could not be sampled
+    # Per row, its params.top_logprobs most likely (token, logprob), best first; when any request wants them.
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None], default_generator: torch.Generator) -> Sampled:
-    """logits: float32 [num_seqs, vocab]. The chosen tokens and, if any request wants them, the
-    log-probability of each chosen token under the model's (unscaled) distribution."""
+           generators: Sequence[torch.Generator | None], default_generator: torch.Generator,
+           raw_logits: torch.Tensor | None = None) -> Sampled:
+    """logits: float32 [num_seqs, vocab], after any penalties (raw_logits: the model's own, if they
+    differ). The chosen tokens and, if any request wants them, the log-probability of each chosen
+    token under the model's (unscaled, unpenalised) distribution."""
     tokens = torch.argmax(logits, dim=-1)
     errors = {i: NAN_LOGITS for i in bad_logit_rows(logits)}
     random_rows = [i for i, p in enumerate(params) if not p.greedy and i not in errors]
@@ -53,8 +57,19 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     chosen = tokens.tolist()
     if not any(p.logprobs for p in params):
         return Sampled(chosen, None, errors)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-    return Sampled(chosen, logprobs.tolist(), errors)
+    log_probs = torch.log_softmax(logits if raw_logits is None else raw_logits, dim=-1)
+    logprobs = log_probs.gather(1, tokens[:, None]).squeeze(1)
+    return Sampled(chosen, logprobs.tolist(), errors, _top_logprobs(log_probs, params))
+
+
+def _top_logprobs(log_probs: torch.Tensor, params: Sequence[SamplingParams]) -> list[list[tuple[int, float]]] | None:
+    """One top-k over the batch at the largest k asked for, cut to each row's own k."""
+    k = max(p.top_logprobs for p in params)
+    if k == 0:
+        return None
+    values, ids = torch.topk(log_probs, min(k, log_probs.shape[-1]), dim=-1)
+    rows = zip(ids.tolist(), values.tolist(), strict=True)
+    return [list(zip(i[:p.top_logprobs], v[:p.top_logprobs], strict=True)) for p, (i, v) in zip(params, rows, strict=True)]
 
 
 def bad_logit_rows(logits: torch.Tensor) -> list[int]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import torch
 
@@ -36,6 +37,8 @@ class Sequence:
         self.prefix_recorded = False
         self.finish_reason: str | None = None
         self.num_preemptions = 0
+        self.num_sampled_in_prompt = 0  # trailing prompt tokens another worker generated (a migration)
+        self.matcher: Any = None  # xgrammar's GrammarMatcher when params.grammar is set (grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from tandem.worker import metrics as m
 from tandem.worker.model.tokenizer import Tokenizer
-from tandem.worker.router import canary, errors
+from tandem.worker.router import canary, errors, tokenize_api
 from tandem.worker.router.auth import ApiKeyMiddleware, ApiKeys
 from tandem.worker.router.canary import DEFAULT_INTERVAL_S as DEFAULT_CANARY_INTERVAL_S
 from tandem.worker.router.discovery import Discovery
@@ -41,16 +41,24 @@ from tandem.worker.router.openai_api import (
     ChatRequest,
     CompletionRequest,
     chat_messages,
+    choice_sampling,
+    grammar_of,
     parse_body,
     resolve_max_tokens,
     sampling_from,
+    tools_of,
+    top_logprobs_of,
 )
-from tandem.worker.router.responses import Shape, full_response, sse, stream_chunk, usage_chunk
+from tandem.worker.router.placement import DEFAULT_BALANCE, DEFAULT_PLACEMENT
+from tandem.worker.router.responses import Shape, full_response, merge_choices, sse, stream_chunk, usage_chunk
+from tandem.worker.router.structured import ToolUse
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.tokens import Delta, TextAssembler, chars_per_token_bound, encode, fetch_tokenizer
+from tandem.worker.router.tool_calls import chat_message, parse
 from tandem.worker.router.workers import WorkerRegistry
 from tandem.worker.server.control_auth import RefusalLog, presented_token, refusal
 from tandem.worker.server.control_token import ControlTokens
+from tandem.worker.server.protocol import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +87,8 @@ class RouterConfig:
     max_queued_requests: int = DEFAULT_MAX_QUEUED_REQUESTS
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S
     canary_interval: float = DEFAULT_CANARY_INTERVAL_S  # seconds between output canary probes; 0: off (canary.py)
+    placement: str = DEFAULT_PLACEMENT  # prefill placement policy (placement.PLACEMENTS)
+    placement_balance: float = DEFAULT_BALANCE  # prefix placement: bound on max/mean recent load
 
 
 class RouterState:
@@ -88,7 +98,8 @@ class RouterState:
         self.registry = WorkerRegistry(cfg.discovery, cfg.model_name, cfg.poll_interval, headers=self.control_headers)
         self.telemetry = RouterTelemetry(cfg.model_name)
         self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout,
-                                     headers=self.control_headers)
+                                     headers=self.control_headers, placement=cfg.placement,
+                                     balance=cfg.placement_balance)
         self.control_refusals = RefusalLog("router call")
         self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout)
         self._tokenizer: Tokenizer | None = None
@@ -242,6 +253,25 @@ def create_app(cfg: RouterConfig) -> FastAPI:
             entry["max_model_len"] = info.max_model_len
         return {"object": "list", "data": [entry]}
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        req = tokenize_api.parse(await _read_body(request, state.cfg.max_request_bytes, _deadline(state)),
+                                 tokenize_api.TokenizeCompletion)
+        _check_model(state, req.model)
+        tok, max_model_len = await state.tokenizer(), state.max_model_len()
+        return await asyncio.to_thread(tokenize_api.tokenize, req, tok, max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        req = tokenize_api.parse(await _read_body(request, state.cfg.max_request_bytes, _deadline(state)),
+                                 tokenize_api.Detokenize)
+        _check_model(state, req.model)
+        return tokenize_api.detokenize(req, await state.tokenizer())
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return tokenize_api.version()
+
     @app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await _serve(state, request, chat=False)
@@ -291,6 +321,17 @@ def _json_body(model: type[CompletionRequest] | type[ChatRequest]) -> dict[str, 
         "schema": {"$ref": REF_TEMPLATE.format(model=model.__name__)}}}}}
 
 
+def _deadline(state: RouterState) -> float:
+    return time.monotonic() + state.cfg.request_timeout
+
+
+def _check_model(state: RouterState, model: str | None) -> None:
+    """vLLM's tokenizer endpoints take `model` as optional; when given it must be this server's."""
+    served = state.model_name()
+    if model is not None and model != served:
+        raise errors.not_found(f"the model {model!r} does not exist; this server serves {served!r}", "model")
+
+
 def _worker_counts(state: RouterState) -> dict[str, int]:
     counts: dict[str, int] = {}
     for w in state.registry.workers.values():
@@ -335,14 +376,18 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
         max_model_len = state.max_model_len()
         # Tokenizing a long prompt takes seconds: off the event loop, so /health and every other
         # request keep being served meanwhile (encode releases the GIL; see tokens.encode).
-        prompt = await asyncio.to_thread(_prompt_ids, req, tok, max_model_len, state.chars_per_token)
+        use = tools_of(req)
+        grammar = grammar_of(req, use)
+        if use is not None and use.parsed and req.n > 1:
+            raise errors.bad_request("n > 1 is not supported with tools", "n")
+        prompt = await asyncio.to_thread(_prompt_ids, req, tok, max_model_len, state.chars_per_token, use)
         if isinstance(req, ChatRequest):
             requested, want_logprobs, default_max = req.max_completion_tokens or req.max_tokens, req.logprobs, None
         else:
             requested, want_logprobs = req.max_tokens, req.logprobs is not None
             default_max = DEFAULT_COMPLETION_MAX_TOKENS
         max_tokens = resolve_max_tokens(requested, len(prompt), max_model_len, default_max)
-        sampling = sampling_from(req, max_tokens, want_logprobs)
+        sampling = sampling_from(req, max_tokens, want_logprobs, top_logprobs_of(req), tok.vocab_size, grammar)
     except APIError:
         state.telemetry.inc(m.REQUESTS, reason="error")  # refused before it started: counted all the same
         raise
@@ -354,9 +399,19 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
         raise
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
+    if req.n > 1 and not req.stream:
+        return await _collect_n(state, request, request_id, prompt, sampling, req.n, deadline, tok, shape, arrival)
+    if req.n > 1:
+        return await _stream_n(state, request, request_id, prompt, sampling, req, deadline, tok, shape, arrival)
     events = state.dispatcher.generate(request_id, prompt, sampling, deadline)
     timer = _Timer(state.telemetry, arrival, len(prompt))
     asm = TextAssembler(tok, prompt, sampling.stop)
+    if use is not None and use.parsed:  # the whole output decides whether it is a call: collected first
+        body = _tool_calls_body(use, await _collect_body(request, events, asm, shape, timer, len(prompt)))
+        if not req.stream:
+            return JSONResponse(body)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return StreamingResponse(_replay(body, include_usage), media_type="text/event-stream")
     if not req.stream:
         return await _collect(request, events, asm, shape, timer, len(prompt))
     try:
@@ -419,13 +474,45 @@ async def _read_body(request: Request, limit: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
+def _tool_calls_body(use: ToolUse, body: dict[str, Any]) -> dict[str, Any]:
+    """A chat answer with its output read for tool calls (tool_calls.parse): then finish_reason tool_calls."""
+    choice = body["choices"][0]
+    content, calls = parse(use, choice["message"]["content"])
+    choice["message"] = chat_message(content, calls)
+    if calls and choice["finish_reason"] == "stop":
+        choice["finish_reason"] = "tool_calls"
+    return body
+
+
+async def _replay(body: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
+    """A collected chat answer as OpenAI streams one: the role, the content or each tool call (id, name and
+    all its arguments in one delta), the finish reason, the usage if asked for, [DONE]."""
+    head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    choice, message = body["choices"][0], body["choices"][0]["message"]
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        return sse(head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+
+    yield chunk({"role": "assistant", "content": "" if message.get("tool_calls") else message["content"]})
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, **call}]})
+    if message.get("tool_calls") and message["content"]:
+        yield chunk({"content": message["content"]})
+    yield chunk({}, choice["finish_reason"])
+    if include_usage:
+        yield sse(head | {"choices": [], "usage": body["usage"]})
+    yield sse("[DONE]")
+
+
 def _prompt_ids(req: ChatRequest | CompletionRequest, tok: Tokenizer, max_model_len: int,
-                chars_per_token: float | None) -> list[int]:
+                chars_per_token: float | None, use: ToolUse | None = None) -> list[int]:
     """The prompt's token ids (runs in a worker thread). A text that cannot fit however it encodes
-    is refused before the tokenizer spends time on it."""
+    is refused before the tokenizer spends time on it. The chat template gets the tools, as transformers
+    passes them (`tools`, a list of {"type": "function", "function": {...}})."""
     if isinstance(req, ChatRequest):
         try:
-            text = tok.apply_chat_template(chat_messages(req))
+            extra: dict[str, Any] = {"tools": use.tools} if use is not None else {}
+            text = tok.apply_chat_template(chat_messages(req), **extra)
         except ValueError as exc:
             raise errors.bad_request(str(exc), "messages") from None
         _check_could_fit(text, max_model_len, chars_per_token)
@@ -454,10 +541,12 @@ def _check_could_fit(text: str, max_model_len: int, chars_per_token: float | Non
 class _Timer:
     """Per-request latency metrics as the router sees them."""
 
-    def __init__(self, telemetry: RouterTelemetry, arrival: float, prompt_tokens: int) -> None:
-        self.t, self.arrival = telemetry, arrival
+    def __init__(self, telemetry: RouterTelemetry, arrival: float, prompt_tokens: int, counted: bool = True) -> None:
+        # counted=False: another choice (n > 1) of a request whose first choice counts the request.
+        self.t, self.arrival, self.counted = telemetry, arrival, counted
         self.last: float | None = None
-        telemetry.inc(m.PROMPT_TOKENS, prompt_tokens)
+        if counted:
+            telemetry.inc(m.PROMPT_TOKENS, prompt_tokens)
 
     def tokens(self, n: int) -> None:
         now = time.monotonic()
@@ -469,19 +558,44 @@ class _Timer:
         self.t.inc(m.GENERATION_TOKENS, n)
 
     def done(self, reason: str) -> None:
-        self.t.observe(m.E2E, time.monotonic() - self.arrival)
-        self.t.inc(m.REQUESTS, reason=reason)
+        if self.counted:
+            self.t.observe(m.E2E, time.monotonic() - self.arrival)
+            self.t.inc(m.REQUESTS, reason=reason)
 
 
 async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
                    timer: _Timer, prompt_tokens: int) -> Response:
+    return JSONResponse(await _collect_body(request, events, asm, shape, timer, prompt_tokens))
+
+
+async def _collect_n(state: RouterState, request: Request, request_id: str, prompt: list[int], sampling: Sampling,
+                     n: int, deadline: float, tok: Tokenizer, shape: Shape, arrival: float) -> Response:
+    """n > 1 (not streamed): n generations of the prompt side by side, one answer with n choices. Each is
+    a request to the workers of its own; a worker's prefix cache shares the prompt's full KV blocks
+    between those it serves. Seeded: choice i uses seed + i, so the choices differ and repeat."""
+    async def choice(i: int) -> dict[str, Any]:
+        events = state.dispatcher.generate(f"{request_id}-{i}", prompt, choice_sampling(sampling, i), deadline)
+        timer = _Timer(state.telemetry, arrival, len(prompt), counted=i == 0)
+        return await _collect_body(request, events, TextAssembler(tok, prompt, sampling.stop), shape, timer,
+                                   len(prompt))
+
+    try:
+        async with asyncio.TaskGroup() as group:  # one choice failing cancels the others (their KV is freed)
+            tasks = [group.create_task(choice(i)) for i in range(n)]
+    except* APIError as failed:
+        raise failed.exceptions[0] from None
+    return JSONResponse(merge_choices([t.result() for t in tasks]))
+
+
+async def _collect_body(request: Request, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
+                        timer: _Timer, prompt_tokens: int) -> dict[str, Any]:
     deltas: list[Delta] = []
     reason: str | None = None
     try:
         ev = await _first_event(request, events)
         while ev is not None:
             timer.tokens(len(ev.token_ids))
-            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
+            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason, ev.top_logprobs)
             deltas.append(delta)
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
@@ -497,25 +611,104 @@ async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: Tex
     finally:
         await events.aclose()  # type: ignore[attr-defined]
     timer.done(reason or "error")
-    return JSONResponse(full_response(shape, asm, deltas, reason, prompt_tokens))
+    return full_response(shape, asm, deltas, reason, prompt_tokens)
+
+
+STOP_CHOICES_S = 10.0  # n > 1: how long an ended stream waits for its choices to stop at their next event
+
+class _Choices:
+    """The event streams of a request's n choices, closed together (as _EventStream closes one)."""
+
+    def __init__(self, streams: list[AsyncIterator[TokenEvent]]) -> None:
+        self.streams = streams
+
+    async def aclose(self) -> None:
+        for events in self.streams:
+            await events.aclose()  # type: ignore[attr-defined]
+
+
+async def _stream_n(state: RouterState, request: Request, request_id: str, prompt: list[int], sampling: Sampling,
+                    req: ChatRequest | CompletionRequest, deadline: float, tok: Tokenizer, shape: Shape,
+                    arrival: float) -> Response:
+    """n > 1, streamed: the n choices' chunks interleaved as they come, each with its index (as OpenAI's);
+    one usage chunk (with include_usage) and [DONE] at the end."""
+    streams = [state.dispatcher.generate(f"{request_id}-{i}", prompt, choice_sampling(sampling, i), deadline)
+               for i in range(req.n)]
+    timers = [_Timer(state.telemetry, arrival, len(prompt), counted=i == 0) for i in range(req.n)]
+    asms = [TextAssembler(tok, prompt, sampling.stop) for _ in range(req.n)]
+    try:
+        firsts = await asyncio.gather(*(_first_event(request, events) for events in streams))
+    except APIError:
+        for timer in timers:
+            timer.done("error")
+        await _Choices(streams).aclose()
+        raise
+    if any(first is None for first in firsts):
+        await _Choices(streams).aclose()
+        raise errors.internal("the workers finished without producing a token")
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    stop = asyncio.Event()
+    bodies = [_stream(request, first, events, asm, shape, timer, len(prompt), False, index=i, final=False, stop=stop)
+              for i, (first, events, asm, timer) in enumerate(zip(firsts, streams, asms, timers, strict=True))
+              if first is not None]
+    return _EventStream(_interleave(bodies, stop, shape, asms, len(prompt), include_usage), _Choices(streams),  # type: ignore[arg-type]
+                        deadline)
+
+
+async def _interleave(bodies: list[AsyncIterator[bytes]], stop: asyncio.Event, shape: Shape, asms: list[TextAssembler],
+                      prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+
+    async def pump(body: AsyncIterator[bytes]) -> None:
+        try:
+            async for chunk in body:
+                await queue.put(chunk)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(body)) for body in bodies]
+    try:
+        left = len(tasks)
+        while left:
+            chunk = await queue.get()
+            if chunk is None:
+                left -= 1
+            else:
+                yield chunk
+        if include_usage:
+            yield sse(usage_chunk(shape, prompt_tokens, sum(asm.num_tokens for asm in asms)))
+        yield sse("[DONE]")
+    finally:
+        # The choices stop at their next event, as a single stream stops when its client leaves: cancelled, one
+        # could be cut off in its hand-off to the decode worker and leave its KV reservation to expire.
+        stop.set()
+        with anyio.CancelScope(shield=True):
+            _, pending = await asyncio.wait(tasks, timeout=STOP_CHOICES_S) if tasks else (set(), set())
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _stream(request: Request, first: TokenEvent, events: AsyncIterator[TokenEvent], asm: TextAssembler,
-                  shape: Shape, timer: _Timer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+                  shape: Shape, timer: _Timer, prompt_tokens: int, include_usage: bool, index: int = 0,
+                  final: bool = True, stop: asyncio.Event | None = None) -> AsyncIterator[bytes]:
+    """One choice's SSE chunks; `final`: the request's only stream, which ends with usage and [DONE]."""
     reason: str | None = None
     try:
         ev: TokenEvent | None = first
         is_first = handoff = True
         while ev is not None:
             timer.tokens(len(ev.token_ids))
-            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason)
+            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason, ev.top_logprobs)
             if delta.text or delta.finish_reason or is_first or shape.token_ids or (shape.logprobs and delta.logprobs):
-                yield sse(stream_chunk(shape, asm, delta, is_first))
+                yield sse(stream_chunk(shape, asm, delta, is_first, index))
                 is_first = False
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
                 break
             if await request.is_disconnected():  # sending to a gone client does not fail: look before asking for more
+                break
+            if stop is not None and stop.is_set():  # n > 1: the request's stream has ended
                 break
             # Starlette cancels this generator when the client goes away. The event after the first is where a
             # disaggregated request moves to its decode worker, whose /decode call claims the KV reservation:
@@ -532,7 +725,8 @@ async def _stream(request: Request, first: TokenEvent, events: AsyncIterator[Tok
         with anyio.CancelScope(shield=True):  # a cancelled scope would cancel the workers' clean-up calls too
             await events.aclose()  # type: ignore[attr-defined]
         timer.done(reason or "error")
-    yield sse("[DONE]")
+    if final:
+        yield sse("[DONE]")
 
 
 class _EventStream(StreamingResponse):

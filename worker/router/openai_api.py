@@ -1,7 +1,10 @@
 """OpenAI request bodies (with vLLM's extensions that benchmark clients send) and their validation.
 
 Parsing is strict where a wrong value would silently change the answer (types, ranges, n>1,
-echo, best_of) and lenient where OpenAI itself is (unknown fields are ignored). Types are JSON's:
+echo, best_of). Nothing is dropped silently: a field this server does not implement (`tools`,
+`response_format`, `logit_bias`, ...) is refused with a 400 naming it, unless its value says nothing
+(null, empty, `{"type": "text"}`); the few OpenAI fields that mean nothing here (`user`, `metadata`,
+`store`, ...) are accepted and ignored, as docs/serving.md lists them. Types are JSON's:
 a flag must be true/false (null means the default), a number must not be a string or a boolean,
 as OpenAI's own API answers; pydantic's lax mode would turn "yes" into true and true into 1.
 """
@@ -14,11 +17,31 @@ import types
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
 from tandem.worker.router.errors import APIError, bad_request
-from tandem.worker.server.protocol import INT32_MAX, MAX_TEMPERATURE, SEED_MAX, SEED_MIN, Sampling
+from tandem.worker.router.structured import (
+    ToolUse,
+    response_format_grammar,
+    tool_grammar,
+    tool_use,
+    vllm_grammar,
+)
+from tandem.worker.router.tool_calls import template_tool_calls
+from tandem.worker.server.protocol import (
+    INT32_MAX,
+    MAX_LOGIT_BIAS,
+    MAX_LOGIT_BIAS_TOKENS,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    MAX_TOP_LOGPROBS,
+    REPETITION_PENALTY_RANGE,
+    SEED_MAX,
+    SEED_MIN,
+    Grammar,
+    Sampling,
+)
 
 
 def _json_number(value: Any) -> Any:
@@ -46,15 +69,42 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
 CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 
+# n: each choice is a generation of its own on the workers, so n multiplies a request's cost.
+MAX_CHOICES = 16
+# OpenAI request fields that change nothing in the answer this server gives: accepted and ignored.
+# (`parallel_tool_calls`: a forced call is one call; with `auto` the model writes as many as it likes.)
+IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
+# Message fields that are output or bookkeeping when a client sends a previous answer back.
+IGNORED_MESSAGE_FIELDS = ("refusal", "annotations")
+# Why some unimplemented fields are refused, for a message more useful than "not supported".
+NOT_IMPLEMENTED = {
+    "functions": "the deprecated function calls are not implemented (use tools)",
+    "function_call": "the deprecated function calls are not implemented (use tool_choice)",
+}
+
+
+def _says_nothing(name: str, value: Any) -> bool:
+    """A value that asks for nothing: what a client sends when it leaves a feature off."""
+    if name == "response_format" and value == {"type": "text"}:
+        return True
+    return value is None or value == [] or value == {}
+
+
+def _drop_empty_unknowns(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        return data
+    return {k: v for k, v in data.items() if k in model.model_fields or not _says_nothing(k, v)}
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     include_usage: Flag = False
 
 
 class _Common(BaseModel):
     # Ranges are the worker's (protocol.Sampling), checked here first so that the client sees a 400 naming
     # the parameter. No NaN or Infinity: json.loads takes both, and they fail no range check downstream.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     model: str
     max_tokens: Int | None = Field(None, ge=1)
     temperature: Float = Field(1.0, ge=0.0, le=MAX_TEMPERATURE)  # a tiny one is greedy (the engine's floor)
@@ -69,14 +119,36 @@ class _Common(BaseModel):
     stream: Flag = False
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
-    # The published schema (the router's /openapi.json) says what _check_unsupported accepts: n=1, best_of 1 or
-    # null, no penalties, no echo. Validation stays as it is, so that the 400 names the unsupported feature.
-    n: Int = Field(1, ge=1, json_schema_extra={"maximum": 1})
+    # The published schema (the router's /openapi.json) says what _check_unsupported accepts: best_of 1 or
+    # null, no echo. Validation stays as it is, so that the 400 names the unsupported feature.
+    n: Int = Field(1, ge=1, le=MAX_CHOICES)
     best_of: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})
     return_token_ids: Flag = False  # vLLM extension: token ids in each choice
-    presence_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
-    frequency_penalty: Float = Field(0.0, json_schema_extra={"const": 0})
+    presence_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: Float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    min_tokens: Int = Field(0, ge=0, le=INT32_MAX)  # vLLM's: no EOS or stop_token_ids before this many
+    repetition_penalty: Float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])  # vLLM's
+    # Token ids as JSON object keys (strings), as OpenAI takes them; logit_bias_of checks them.
+    logit_bias: Annotated[dict[str, Annotated[float, BeforeValidator(_json_number),
+                                              Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+                          Field(max_length=MAX_LOGIT_BIAS_TOKENS)] | None = None
+    # Accepted and ignored (IGNORED_FIELDS): any JSON value, as OpenAI's own types for them vary.
     user: str | None = None
+    metadata: Any = None
+    store: Any = None
+    service_tier: Any = None
+    parallel_tool_calls: Any = None
+    # Structured outputs (structured.py checks them): OpenAI's, and vLLM's extensions.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_but_empty(cls, data: Any) -> Any:
+        return _drop_empty_unknowns(cls, data)
 
 
 class CompletionRequest(_Common):
@@ -91,16 +163,28 @@ class CompletionRequest(_Common):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None  # passed to the chat template, as transformers passes it
+    tool_call_id: str | None = None  # likewise
+    tool_calls: list[Any] | None = None  # an assistant's earlier calls, passed to the template (arguments as objects)
+    refusal: Any = None  # IGNORED_MESSAGE_FIELDS
+    annotations: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unknown_but_empty(cls, data: Any) -> Any:
+        return _drop_empty_unknowns(cls, data)
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Flag = False
-    top_logprobs: Int | None = Field(None, ge=0, le=20)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: Any = None  # structured.tool_use checks them with tool_choice
+    tool_choice: Any = None
 
 
 def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -> Any:
@@ -110,13 +194,24 @@ def parse_body(raw: bytes, model: type[CompletionRequest] | type[ChatRequest]) -
     try:
         req = model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
+        errors = exc.errors()
+        first = next((e for e in errors if e["type"] != "extra_forbidden"), errors[0])
+        if first["type"] == "extra_forbidden":
+            raise _unsupported_field(first["loc"]) from None
         where, inside_union = _param(model, first["loc"])
         if inside_union:  # e.g. prompt: 5 -> every member of the union failed; name the field, not a member
             raise bad_request(f"invalid type for '{where}': {_union_help(model, where)}", param=where) from None
         raise bad_request(f"invalid value for '{where}': {first['msg']}", param=where) from None
     _check_unsupported(req)
     return req
+
+
+def _unsupported_field(loc: tuple[int | str, ...]) -> APIError:
+    where = ".".join(str(p) for p in loc)
+    name = str(loc[-1])
+    why = NOT_IMPLEMENTED.get(name, "this server does not implement it")
+    return bad_request(f"unsupported parameter '{where}': {why} (refused rather than ignored, so that the answer "
+                       "is never silently different from what was asked)", param=where)
 
 
 def load_json(raw: bytes) -> Any:
@@ -195,12 +290,8 @@ def _union_help(model: type[BaseModel], where: str | None) -> str:
 
 
 def _check_unsupported(req: CompletionRequest | ChatRequest) -> None:
-    if req.n != 1:
-        raise bad_request("only n=1 is supported", param="n")
     if req.best_of not in (None, 1):
         raise bad_request("best_of is not supported (only best_of=1)", param="best_of")
-    if req.presence_penalty or req.frequency_penalty:
-        raise bad_request("presence_penalty and frequency_penalty are not supported", param="presence_penalty")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad_request("echo is not supported", param="echo")
@@ -223,14 +314,78 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def sampling_from(req: CompletionRequest | ChatRequest, max_tokens: int, want_logprobs: bool) -> Sampling:
+def top_logprobs_of(req: CompletionRequest | ChatRequest) -> int:
+    """How many most likely tokens each answer token lists: chat's top_logprobs, completions' logprobs."""
+    if isinstance(req, CompletionRequest):
+        return req.logprobs or 0
+    if req.top_logprobs and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+    return req.top_logprobs or 0
+
+
+def logit_bias_of(req: CompletionRequest | ChatRequest, vocab_size: int | None) -> dict[int, float]:
+    """logit_bias with its keys as token ids: decimal integers inside the vocabulary."""
+    out = {}
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.isascii() or not key.isdigit() or (vocab_size is not None and int(key) >= vocab_size):
+            limit = f" in 0..{vocab_size - 1}" if vocab_size is not None else ""
+            raise bad_request(f"logit_bias keys must be token ids{limit}, got {key!r}", param="logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice `index` of n: a seeded request's choices use seed + index (seed - index past the top of the
+    range), so they differ from each other and repeat from run to run."""
+    if sampling.seed is None or index == 0:
+        return sampling
+    seed = sampling.seed + index if sampling.seed + index <= SEED_MAX else sampling.seed - index
+    return sampling.model_copy(update={"seed": seed})
+
+
+def min_tokens_of(req: CompletionRequest | ChatRequest, max_tokens: int) -> int:
+    if req.min_tokens > max_tokens:
+        raise bad_request(f"min_tokens ({req.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens")
+    return req.min_tokens
+
+
+def tools_of(req: CompletionRequest | ChatRequest) -> ToolUse | None:
+    return tool_use(req.tools, req.tool_choice) if isinstance(req, ChatRequest) else None
+
+
+def grammar_of(req: CompletionRequest | ChatRequest, use: ToolUse | None) -> Grammar | None:
+    """The one grammar the output follows: a forced tool call's, response_format's or vLLM's guided_*."""
+    asked: list[tuple[str, Grammar]] = []
+    if use is not None and (g := tool_grammar(use)) is not None:
+        asked.append(("tool_choice", g))
+    if (g := response_format_grammar(req.response_format)) is not None:
+        asked.append(("response_format", g))
+    if (found := vllm_grammar({"guided_json": req.guided_json, "guided_regex": req.guided_regex,
+                               "guided_choice": req.guided_choice,
+                               "structured_outputs": req.structured_outputs})) is not None:
+        asked.append(found)
+    if len(asked) > 1:
+        raise bad_request(f"'{asked[1][0]}' cannot be combined with '{asked[0][0]}': the output follows one of "
+                          "them", param=asked[1][0])
+    return asked[0][1] if asked else None
+
+
+def sampling_from(req: CompletionRequest | ChatRequest, max_tokens: int, want_logprobs: bool,
+                  top_logprobs: int = 0, vocab_size: int | None = None, grammar: Grammar | None = None) -> Sampling:
     return Sampling(
         max_tokens=max_tokens, temperature=req.temperature, top_k=max(0, req.top_k), top_p=req.top_p,
         min_p=req.min_p, seed=req.seed, stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
-        ignore_eos=req.ignore_eos, logprobs=want_logprobs)
+        ignore_eos=req.ignore_eos, logprobs=want_logprobs, top_logprobs=top_logprobs,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_of(req, vocab_size),
+        min_tokens=min_tokens_of(req, max_tokens), grammar=grammar)
 
 
-def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
+class HasMessages(typing.Protocol):
+    messages: list[ChatMessage]
+
+
+def chat_messages(req: HasMessages) -> list[dict[str, Any]]:
     """Messages as plain dicts for the chat template; content parts must be text."""
     out = []
     for i, msg in enumerate(req.messages):
@@ -246,7 +401,14 @@ def chat_messages(req: ChatRequest) -> list[dict[str, Any]]:
                                       param=f"messages.{i}.content")
                 texts.append(part["text"])
             content = "".join(texts)
-        out.append({"role": msg.role, "content": content or ""})
+        entry: dict[str, Any] = {"role": msg.role, "content": content or ""}
+        if msg.name is not None:
+            entry["name"] = msg.name
+        if msg.tool_call_id is not None:
+            entry["tool_call_id"] = msg.tool_call_id
+        if msg.tool_calls:
+            entry["tool_calls"] = template_tool_calls(msg.tool_calls, f"messages.{i}.tool_calls")
+        out.append(entry)
     return out
 
 

@@ -34,10 +34,27 @@ def _logprobs(shape: Shape, asm: TextAssembler, delta: Delta) -> dict[str, Any] 
     if not shape.logprobs or delta.logprobs is None:
         return None
     tokens = [asm.token_text(t) for t in delta.token_ids]
+    tops = delta.top_logprobs or [[] for _ in tokens]
     if shape.chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(tokens, delta.logprobs, strict=False)]}
-    return {"tokens": tokens, "token_logprobs": list(delta.logprobs), "top_logprobs": None, "text_offset": None}
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()),
+                             "top_logprobs": [_chat_entry(asm, tid, tlp) for tid, tlp in top]}
+                            for t, lp, top in zip(tokens, delta.logprobs, tops, strict=False)]}
+    # Completions list each token's alternatives as {text: logprob}, as OpenAI's legacy API does (tokens
+    # that decode to the same text share a key), or null for logprobs=0.
+    top_lists = [_by_text(asm, top) for top in tops] if delta.top_logprobs else None
+    return {"tokens": tokens, "token_logprobs": list(delta.logprobs), "top_logprobs": top_lists, "text_offset": None}
+
+
+def _by_text(asm: TextAssembler, top: list[tuple[int, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for token_id, logprob in top:  # best first: a text keeps its best token's logprob
+        out.setdefault(asm.token_text(token_id), logprob)
+    return out
+
+
+def _chat_entry(asm: TextAssembler, token_id: int, logprob: float) -> dict[str, Any]:
+    text = asm.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 
 
 def _merge_logprobs(shape: Shape, parts: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -45,13 +62,15 @@ def _merge_logprobs(shape: Shape, parts: list[dict[str, Any]]) -> dict[str, Any]
         return None
     if shape.chat:
         return {"content": [c for p in parts for c in p["content"]]}
+    tops = [p["top_logprobs"] for p in parts]
     return {"tokens": [t for p in parts for t in p["tokens"]],
-            "token_logprobs": [t for p in parts for t in p["token_logprobs"]], "top_logprobs": None,
+            "token_logprobs": [t for p in parts for t in p["token_logprobs"]],
+            "top_logprobs": [t for top in tops for t in top] if tops and all(t is not None for t in tops) else None,
             "text_offset": None}
 
 
-def stream_chunk(shape: Shape, asm: TextAssembler, delta: Delta, first: bool) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "logprobs": _logprobs(shape, asm, delta),
+def stream_chunk(shape: Shape, asm: TextAssembler, delta: Delta, first: bool, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "logprobs": _logprobs(shape, asm, delta),
                               "finish_reason": delta.finish_reason}
     if shape.chat:
         d: dict[str, Any] = {"role": "assistant"} if first else {}
@@ -87,6 +106,16 @@ def full_response(shape: Shape, asm: TextAssembler, deltas: list[Delta], finish_
         choice["token_ids"] = list(asm.token_ids)
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model, "choices": [choice],
             "usage": usage(prompt_tokens, asm.num_tokens)}
+
+
+def merge_choices(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """n answers to one prompt (full_response each) as one answer with n choices: the first one's id,
+    choices indexed 0..n-1, the prompt counted once and the completions' tokens summed."""
+    merged = dict(answers[0])
+    merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
+    completion = sum(a["usage"]["completion_tokens"] for a in answers)
+    merged["usage"] = usage(answers[0]["usage"]["prompt_tokens"], completion)
+    return merged
 
 
 def sse(data: dict[str, Any] | str) -> bytes:

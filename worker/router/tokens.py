@@ -150,6 +150,7 @@ class Delta:
     token_ids: list[int]
     logprobs: list[float] | None
     finish_reason: str | None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass
@@ -172,7 +173,8 @@ class TextAssembler:
         self._detok = self.tokenizer.new_detokenizer(self.prompt_ids)
         self._hold = max((len(s) for s in self.stop), default=1) - 1
 
-    def push(self, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None) -> Delta:
+    def push(self, token_ids: list[int], logprobs: list[float] | None, finish_reason: str | None,
+             top_logprobs: list[list[tuple[int, float]]] | None = None) -> Delta:
         if self.finished:
             return Delta("", [], None, None)
         self.token_ids += token_ids
@@ -183,14 +185,14 @@ class TextAssembler:
             if hit is not None:
                 out, self._pending, self.finished = self._pending[:hit], "", True
                 self.text += out
-                return Delta(out, token_ids, logprobs, "stop")
+                return Delta(out, token_ids, logprobs, "stop", top_logprobs)
         if finish_reason is not None:
             out, self._pending, self.finished = self._pending, "", True
         else:
             cut = max(0, len(self._pending) - self._hold) if self.stop else len(self._pending)
             out, self._pending = self._pending[:cut], self._pending[cut:]
         self.text += out
-        return Delta(out, token_ids, logprobs, finish_reason)
+        return Delta(out, token_ids, logprobs, finish_reason, top_logprobs)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ off) shows as silence within seconds, not only after the stall timeout.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -22,6 +22,12 @@ STREAM_HEARTBEAT_S = 1.0
 # client sees them as 400s with the OpenAI parameter named). The worker checks them again: it must not
 # trust its caller to have (issue 18: one out-of-range request could fail every request on a worker).
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (and the engine's)
+MAX_PENALTY = 2.0  # presence and frequency penalties: OpenAI's [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # OpenAI's [-100, 100] per token
+# Dividing logits by a repetition penalty much below this overflows them to infinity (5e-324 did).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LOGIT_BIAS_TOKENS = 1024  # each biased token costs every step of the request a little
 INT32_MAX = 2**31 - 1  # top_k, token ids: anything at or above the vocabulary means "off" or is refused
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a 64-bit seed, as vLLM takes it (torch refuses wider ones)
 # Deadlines are finite: a request's own (generate, prefill, decode) at most a day, and a reservation's at
@@ -33,6 +39,7 @@ MAX_DEADLINE_S = 86_400.0
 # latency, and the autoscaler and the SLO rules read those series.
 CANARY_ID_PREFIX = "canary-"
 MAX_RESERVE_DEADLINE_S = 600.0
+MAX_GRAMMAR_CHARS = 65_536  # a JSON schema, regex or choice list (engine/grammar.py holds the same limit)
 
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
@@ -41,6 +48,14 @@ class _Wire(BaseModel):
     # No NaN or Infinity anywhere (pydantic's JSON parser takes both): a NaN passes no range check
     # and an infinite deadline never passes.
     model_config = ConfigDict(allow_inf_nan=False)
+
+
+class Grammar(_Wire):
+    """The output must follow this (engine/grammar.py): a JSON schema (spec: its JSON text), any JSON
+    object (spec empty), a regex, or one of a list of strings (spec: their JSON list)."""
+
+    kind: Literal["json_schema", "json_object", "regex", "choice"]
+    spec: str = Field("", max_length=MAX_GRAMMAR_CHARS)
 
 
 class Sampling(_Wire):
@@ -56,6 +71,14 @@ class Sampling(_Wire):
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
+    top_logprobs: int = Field(0, ge=0, le=MAX_TOP_LOGPROBS)  # with logprobs: the most likely tokens too
+    presence_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)  # at most max_tokens (the engine checks)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
+    logit_bias: dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = Field(
+        default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
+    grammar: Grammar | None = None  # structured outputs and forced tool calls
 
 
 class GenerateRequest(_Wire):
@@ -114,6 +137,7 @@ class PrefillRequest(_Wire):
 class PrefillResponse(BaseModel):
     first_token_id: int
     logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None  # the first token's, when sampling.top_logprobs
     num_prompt_tokens: int
     kv_sent: bool  # False: the transfer failed; decode must prefill locally
     error: str | None = None
@@ -141,6 +165,7 @@ class AbortRequest(BaseModel):
 class StreamChunk(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when sampling.top_logprobs
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0

@@ -149,12 +149,17 @@ class WorkerServer:
         layout = engine.kv_layout
         if cfg.keys is not None:
             log.info("KV transfer: secure (CURVE; peers must hold the keys in %s)", cfg.kv_keys)
+        elif cfg.seal is not None:
+            log.info("KV transfer: sealed (aes-gcm; peers are authenticated with the model's control token)")
+        else:
+            log.warning("KV transfer: NOT encrypted or authenticated (--kv-encryption %s): anyone who reaches the "
+                        "KV port can read or write KV", cfg.kv_encryption)
         # make_receiver/make_sender resolve the transport the user asked for (auto, tcp or rdma) and log
         # the choice and its reason once; the transport in use is the built object's. They raise
         # TransferError(unavailable) with the reason when rdma is asked for and cannot run here.
         if cfg.role == "decode":
             self._receiver = make_receiver(cfg.transport, layout, engine.kv_cache, host=cfg.host, port=cfg.kv_port,
-                                           telemetry=self.transfer_telemetry, keys=cfg.keys)
+                                           telemetry=self.transfer_telemetry, keys=cfg.keys, seal=cfg.seal)
             self.transport = str(self._receiver.transport)
             scheme, _, port = self._receiver.address.rpartition(":")
             self.kv_address = f"{scheme.split('://')[0]}://{self._advertised_host()}:{port}"
@@ -170,7 +175,7 @@ class WorkerServer:
             # decode itself waits for KV, so a frozen peer does not hold the first token and threads
             # here until the request's deadline.
             self._sender = make_sender(cfg.transport, layout, engine.kv_cache, telemetry=self.transfer_telemetry,
-                                       keys=cfg.keys, silence_timeout_s=cfg.kv_wait_timeout)
+                                       keys=cfg.keys, seal=cfg.seal, silence_timeout_s=cfg.kv_wait_timeout)
             self.transport = str(self._sender.transport)
             self.shipper = KVShipper(self._sender, layout.num_layers, layout.block_size)
             self.shipper.mirror_sources = cfg.fault == "swap-kv-blocks"  # a test hook (faults.py)
@@ -250,10 +255,18 @@ class WorkerServer:
 
         return SamplingParams(**{**s.model_dump(), **update})
 
+    @staticmethod
+    async def _compile_grammar(loop: EngineLoop, params: Any) -> None:
+        """Compile a request's grammar off the engine thread (a large schema takes a while; the engine
+        then finds it in the compiler's cache). ValueError: the grammar is invalid."""
+        if params.grammar is not None:
+            await asyncio.to_thread(loop.engine.grammars.compile, params.grammar)
+
     async def _add(self, loop: EngineLoop, request_id: str, prompt: list[int], sampling: Sampling,
                    sampled_before: int = 0, **update: Any) -> Subscription:
         try:
             params = self._params(sampling, **update)
+            await self._compile_grammar(loop, params)
             sub = loop.subscribe(request_id)
         except ValueError as exc:
             raise Rejected(400, str(exc)) from None
@@ -313,7 +326,8 @@ class WorkerServer:
                         telemetry.observe(m.ITL, (now - last) / len(out.new_token_ids))
                     last = now
                     telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
-                chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs, finished=out.finished,
+                chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs,
+                                    top_logprobs=out.top_logprobs, finished=out.finished,
                                     finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens)
                 yield chunk.model_dump_json().encode() + b"\n"
                 if out.finished:
@@ -430,6 +444,7 @@ class WorkerServer:
         if error is None and res is not None:
             try:
                 params = self._params(req.sampling)
+                await self._compile_grammar(loop, params)
             except ValueError as exc:
                 self.intake.drop(res)
                 raise Rejected(400, str(exc)) from None
@@ -549,6 +564,7 @@ class WorkerServer:
                 raise Rejected(500, "the engine finished the prefill without a token")
             return PrefillResponse(first_token_id=out.new_token_ids[0],
                                    logprob=out.logprobs[0] if out.logprobs else None,
+                                   top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
                                    num_prompt_tokens=out.num_prompt_tokens,
                                    kv_sent=shipping and ship_error is None, error=ship_error)
         except TimeoutError:

@@ -1,0 +1,129 @@
+"""Tool calls out of a model's output, into OpenAI's `tool_calls`.
+
+With tool_choice `required` or a named function the output was constrained by a grammar (structured.py),
+so it is the call's JSON itself. With `auto` the model chose; its call is found in the formats the
+supported families' chat templates teach it:
+- Qwen 2.5+/Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
+- Llama 3.x: the output is `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`),
+  or several separated by `;`;
+- Mistral: `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}`.
+Only calls naming one of the request's tools count; anything else stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.worker.router.structured import ToolUse
+
+HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+MISTRAL_MARK = "[TOOL_CALLS]"
+LLAMA_PYTHON_TAG = "<|python_tag|>"
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+    def as_openai(self, index: int | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                               "function": {"name": self.name, "arguments": self.arguments}}
+        if index is not None:  # a streamed delta's
+            out = {"index": index, **out}
+        return out
+
+
+def _call(obj: Any, names: set[str]) -> ToolCall | None:
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _loads(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return None
+
+
+def parse(use: ToolUse, text: str) -> tuple[str | None, list[ToolCall]]:
+    """(content left, calls) of an output. No calls: the text is the content."""
+    names = {t["function"]["name"] for t in use.tools}
+    if use.choice == "function":
+        args = _loads(text)
+        return (None, [ToolCall(str(use.name), json.dumps(args, ensure_ascii=False))]) if isinstance(args, dict) \
+            else (text, [])
+    if use.choice == "required":
+        call = _call(_loads(text), names)
+        return (None, [call]) if call is not None else (text, [])
+    if use.choice != "auto":
+        return text, []
+    return _parse_auto(text, names)
+
+
+def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:
+    blocks = HERMES_BLOCK.findall(text)
+    if blocks:
+        calls = [c for b in blocks if (c := _call(_loads(b), names)) is not None]
+        if len(calls) == len(blocks):
+            rest = HERMES_BLOCK.sub("", text).strip()
+            return rest or None, calls
+        return text, []
+    stripped = text.strip()
+    if stripped.startswith(MISTRAL_MARK):
+        items = _loads(stripped[len(MISTRAL_MARK):].strip())
+        items = [items] if isinstance(items, dict) else items
+        if isinstance(items, list) and items:
+            calls = [c for i in items if (c := _call(i, names)) is not None]
+            if len(calls) == len(items):
+                return None, calls
+        return text, []
+    body = stripped.removeprefix(LLAMA_PYTHON_TAG).strip()
+    if body.startswith("{"):
+        parts = [body] if (one := _loads(body)) is not None else body.split(";")
+        objs = [one] if one is not None else [_loads(p.strip()) for p in parts]
+        calls = [c for o in objs if (c := _call(o, names)) is not None]
+        if calls and len(calls) == len(objs):
+            return None, calls
+    return text, []
+
+
+def chat_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.as_openai() for c in calls]
+    return message
+
+
+def template_tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates read them (transformers' convention): the
+    arguments as an object, not OpenAI's JSON string."""
+    from tandem.worker.router.errors import bad_request
+
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be a list", param=where)
+    out = []
+    for i, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{where}[{i}] must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                              param=f"{where}.{i}")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):
+            parsed = _loads(args)
+            args = parsed if isinstance(parsed, dict) else args
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
