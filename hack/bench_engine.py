@@ -201,7 +201,6 @@ def gpu_section(device: torch.device, shape: dict[str, Any], dtype: torch.dtype)
     from tandem.worker.engine.sequence import Sequence
     from tandem.worker.model.config import ModelConfig
     from tandem.worker.model.llama import CausalLM
-    from tandem.worker.model.rope import inverse_frequencies
 
     cfg = ModelConfig.from_dict(shape, name="llama3-8b-shaped")
     with torch.device("meta"):
@@ -210,7 +209,7 @@ def gpu_section(device: torch.device, shape: dict[str, Any], dtype: torch.dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(0, 0.02) if not name.endswith("norm.weight") else p.fill_(1.0)
-    model.rotary.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.init_buffers(device)
     model.eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     params = sum(p.numel() for p in model.parameters())

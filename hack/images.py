@@ -213,6 +213,10 @@ def image_size(tag: str) -> str:
 
 
 def build(only: list[str]) -> None:
+    # Working containers a killed or failed build left behind: one held a half-committed 7 GB layer
+    # and 9 more piled up from earlier runs (seen this session; the next build then ran out of disk).
+    # Only these scripts use this buildah store.
+    buildah("rm", "--all")
     base = build_base()
     wheels = download_wheels()
     uv_image = build_uv_image(wheels)
