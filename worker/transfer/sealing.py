@@ -1,12 +1,13 @@
 """Sealed KV transfer: every session authenticated, tcp frames encrypted with AES-256-GCM.
 
-Status: the handshake and the AEAD are built and unit-tested (tests/unit/test_kv_sealing.py); the tcp and
-rdma transports do not use them yet, and nothing below is measured yet (issue 18 is open on this).
+Used by the tcp transport (sessions and frames) and the rdma transport (sessions only: RC WRITEs carry
+the payload unencrypted); the default whenever a worker holds a control token (server/config.py).
+Measured against plain tcp and CURVE in hack/bench_transfer.py (docs/benchmarks.md, "KV transfer").
 
 Why not CURVE (security.py): libzmq's CURVE boxes every message with XSalsa20-Poly1305 in its own
 I/O thread and costs 2.5-3x in throughput here. AES-GCM runs on the CPU's AES instructions (about
 5 GB/s per core here, with the GIL released), and it replaces the XXH3 frame digest, whose job the
-GCM tag does; to be measured side by side in hack/bench_transfer.py (docs/benchmarks.md).
+GCM tag does.
 
 The credential is the model's worker control token (server/control_token.py), which only the router
 and the model's workers hold, so sealing needs no key of its own and rotates with the token.
@@ -14,8 +15,7 @@ and the model's workers hold, so sealing needs no key of its own and rotates wit
 Handshake (one per connection, inside HELLO and WELCOME; suite SUITE):
 - the sender makes an ephemeral X25519 key and sends its public half with
   HMAC-SHA256(secret, "hello" | session | eph_s): the receiver checks it against each token it
-  accepts before it allocates anything or sends anything back but a refusal (an rdma receiver's
-  memory keys are only ever in a sealed WELCOME);
+  accepts before it allocates anything or sends anything back but a refusal;
 - the receiver answers with its own ephemeral public key, HMAC(secret, "welcome" | session | eph_s |
   eph_r), and the transport's WELCOME fields encrypted;
 - both derive two keys, HKDF-SHA256(X25519(eph_s, eph_r), salt=secret, info=transcript): one for

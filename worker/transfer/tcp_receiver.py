@@ -369,7 +369,7 @@ class TcpReceiver:
             self._send(identity, wire.encode_control(wire.REFUSE, refusal.to_wire()))
             return
         session_id = str(peer.get("session"))
-        try:  # before anything is held or sent for this peer (an rdma WELCOME carries memory keys)
+        try:  # before anything is held or sent for this peer (an rdma WELCOME names its QP)
             sealed = accept_hello(self._seal, session_id, peer) if self._seal is not None else None
         except SealError as exc:
             self._refuse_hello(identity, TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}"))
@@ -405,7 +405,7 @@ class TcpReceiver:
         self._send(identity, wire.encode_control(wire.REFUSE, error.to_wire()))
 
     def _welcome_extra(self, session_id: str, peer: dict[str, object]) -> dict[str, object]:
-        """Transport-specific handshake fields (rdma: QP and memory-region keys)."""
+        """Transport-specific handshake fields (rdma: the QP; memory keys come per reservation)."""
         return {}
 
     def _max_part_bytes(self) -> int:

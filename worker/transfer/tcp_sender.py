@@ -282,7 +282,7 @@ class TcpConnection:
             except SealError as exc:
                 self.telemetry.failed(self.transport, AUTH_FAILED)
                 raise TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}") from None
-            reply = {**reply, **boxed}  # the transport's fields (rdma: QP and memory key) travel sealed
+            reply = {**reply, **boxed}  # the transport's fields (rdma: the QP) travel sealed
         self._on_welcome(reply)
         for index, stream in enumerate(self._streams):
             attach: dict[str, Any] = {"session": session, "stream": index}
