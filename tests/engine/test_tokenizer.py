@@ -95,6 +95,28 @@ FEATURE_TEMPLATE = """{%- if messages[0]['role'] == 'system' %}{% set system = m
 {% if add_generation_prompt %}[assistant]{% endif %}"""
 
 
+# Written for this test: a tools block that opens only when the request has tools, the way Mistral-style
+# templates test for them (`tools is not none`), and a documents block likewise.
+TOOLS_TEMPLATE = """{%- if tools is not none %}[TOOLS]{{ tools | tojson }}[/TOOLS]{% endif -%}
+{%- if documents is not none %}[DOCS]{{ documents | length }}[/DOCS]{% endif -%}
+{%- for m in messages %}[{{ m['role'] }}] {{ m['content'] }}
+{% endfor %}"""
+
+
+def test_tools_and_documents_are_none_when_absent_as_in_transformers(tiny_model_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers", reason="transformers is the reference (test extra)")
+    ours = Tokenizer(tiny_model_dir)
+    ours.chat_template = TOOLS_TEMPLATE
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    messages = [{"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    plain = theirs.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tokenize=False)
+    assert "[TOOLS]" not in plain and "[DOCS]" not in plain
+    assert ours.apply_chat_template(messages) == plain
+    with_tools = theirs.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tokenize=False, tools=tools)
+    assert ours.apply_chat_template(messages, tools=tools) == with_tools
+
+
 def test_chat_template_renders_as_transformers_does(tiny_model_dir: Path) -> None:
     transformers = pytest.importorskip("transformers", reason="transformers is the reference (test extra)")
     ours = Tokenizer(tiny_model_dir)

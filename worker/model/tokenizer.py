@@ -96,8 +96,11 @@ class Tokenizer:
 
         try:
             template = _compile(self.chat_template)
+            # tools and documents are None when absent, as transformers renders them: templates test
+            # `tools is not none` (an Undefined would pass that test and open an empty tools block).
+            context: dict[str, Any] = {"tools": None, "documents": None, **kwargs}
             return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs))
+                                       bos_token=self.bos_token or "", eos_token=self.eos_token or "", **context))
         except TemplateError as exc:  # the template's raise_exception (it refuses these messages) or its syntax
             raise ValueError(f"the chat template refused the messages: {exc}") from None
 
