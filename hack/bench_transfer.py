@@ -503,7 +503,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=2)
     parser.add_argument("--frame-bytes", default="2M")
     parser.add_argument("--variant", action="append", default=[],
-                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1]; repeat for an "
+                        help="a tcp configuration to measure, LABEL[:streams=N,frame=SIZE,alloc=keep|default,secure=0|1,seal=0|1,checks=on|off,floor=0|1,tls=0|1]; repeat for an "
                              "A/B in one run (default: one, labelled tcp, from --streams and --frame-bytes)")
     parser.add_argument("--rounds", type=int, default=4,
                         help="turns per size: raw and each variant alternate this many times within --seconds")
