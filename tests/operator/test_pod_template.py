@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from pod_template_cases import RESERVED_NEIGHBOURS
 
 from tandem.operator import api, builders
 from tandem.operator.api import DisaggregatedModelSpec
@@ -151,14 +152,7 @@ def test_the_reserved_names_in_the_crd_cover_everything_the_operator_mounts(sour
             assert key in api.RESERVED_ANNOTATION_KEYS or key.startswith("tandem.dev/"), key
 
 
-@pytest.mark.parametrize("pod", [
-    {"labels": {"nottandem.dev/x": "y", "app.kubernetes.io/part-of": "llm"}},
-    {"annotations": {"prometheus.io/scheme": "https", "tandem.dev.example/x": "y"}},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/tmpfs"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/etc/tandem-extra"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/data/..x/.y"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/modelsx"}]},
-])
+@pytest.mark.parametrize("pod", list(RESERVED_NEIGHBOURS.values()), ids=list(RESERVED_NEIGHBOURS))
 def test_neighbours_of_the_reserved_keys_and_paths_are_accepted(pod: dict[str, Any]) -> None:
     spec = spec_of({"pvc": {"claimName": "w"}}, prefill={"pod": pod})
     assert spec.prefill.pod.model_dump(by_alias=True, exclude_defaults=True) == pod

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from operator_harness import condition
+from pod_template_cases import RESERVED_NEIGHBOURS
 
 pytestmark = pytest.mark.integration
 
@@ -96,14 +97,7 @@ def test_pod_blocks_reach_the_running_pods(testbed: Bed, cleanup: list[str], cla
     assert can.stdout.strip() == "yes", can.stdout + can.stderr
 
 
-@pytest.mark.parametrize("pod", [
-    {"labels": {"nottandem.dev/x": "y", "app.kubernetes.io/part-of": "llm"}},
-    {"annotations": {"prometheus.io/scheme": "https", "tandem.dev.example/x": "y"}},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/tmpfs"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/etc/tandem-extra"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/data/..x/.y"}]},
-    {"volumes": [{"name": "x", "emptyDir": {}}], "volumeMounts": [{"name": "x", "mountPath": "/modelsx"}]},
-], ids=["labels", "annotations", "tmpfs", "etc-tandem-extra", "dot-names", "modelsx"])
+@pytest.mark.parametrize("pod", list(RESERVED_NEIGHBOURS.values()), ids=list(RESERVED_NEIGHBOURS))
 def test_neighbours_of_the_reserved_keys_and_paths_are_accepted(testbed: Bed, pod: dict[str, Any],
                                                                sample: Callable[[str], dict[str, Any]]) -> None:
     from tandem.operator.reconcile import parse_spec
