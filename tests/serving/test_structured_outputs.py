@@ -211,6 +211,21 @@ def test_a_named_tool_choice_gives_a_call_whose_arguments_validate(tools_stack: 
         jsonschema_rs.validate(PARAMS["get_weather"], json.loads(arguments or ""))
 
 
+def test_a_streamed_tool_call_keeps_its_logprobs(tools_stack: Stack) -> None:
+    """A tool-call answer is collected before it streams; the logprobs asked for stream too, equal to the whole."""
+    kw: Any = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=[WEATHER, CLOCK],
+                   tool_choice={"type": "function", "function": {"name": "get_weather"}}, max_tokens=100, seed=1,
+                   logprobs=True, top_logprobs=2)
+    whole = client(tools_stack).chat.completions.create(**kw).choices[0]
+    assert whole.logprobs and whole.logprobs.content
+    chunks = list(client(tools_stack).chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]
+    # Tokens exactly; log-probabilities to float32 noise (two requests, two forward passes).
+    assert [(e.token, [t.token for t in e.top_logprobs]) for e in streamed] == \
+        [(e.token, [t.token for t in e.top_logprobs]) for e in whole.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-4)
+
+
 def test_required_tool_choice_calls_one_of_the_tools(tools_stack: Stack) -> None:
     names = set()
     for seed in range(6):

@@ -486,14 +486,16 @@ def _tool_calls_body(use: ToolUse, body: dict[str, Any]) -> dict[str, Any]:
 
 async def _replay(body: dict[str, Any], include_usage: bool) -> AsyncIterator[bytes]:
     """A collected chat answer as OpenAI streams one: the role, the content or each tool call (id, name and
-    all its arguments in one delta), the finish reason, the usage if asked for, [DONE]."""
+    all its arguments in one delta), the finish reason, the usage if asked for, [DONE]. The answer's
+    logprobs, when asked for, come whole with the first chunk (clients concatenate the chunks' lists)."""
     head = {k: body[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     choice, message = body["choices"][0], body["choices"][0]["message"]
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
-        return sse(head | {"choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]})
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> bytes:
+        return sse(head | {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
 
-    yield chunk({"role": "assistant", "content": "" if message.get("tool_calls") else message["content"]})
+    yield chunk({"role": "assistant", "content": "" if message.get("tool_calls") else message["content"]},
+                logprobs=choice.get("logprobs"))
     for i, call in enumerate(message.get("tool_calls") or []):
         yield chunk({"tool_calls": [{"index": i, **call}]})
     if message.get("tool_calls") and message["content"]:
