@@ -45,22 +45,25 @@ def test_token_holders_transfer_intact_blocks(transport: str) -> None:
             assert torch.equal(dst[:, :, dst_ids], src[:, :, src_ids])
 
 
-@pytest.mark.parametrize(("receiver_seal", "sender_seal", "says"), [
-    (TOKEN, OTHER, "not signed with this model's control token"),
-    (TOKEN, None, "does not seal KV"),
-    (None, TOKEN, "does not seal KV (--kv-encryption none)"),
+# A wrong token is auth_failed (someone without it); no seal at all is version_mismatch (a rollout from a
+# release before sealing, or another --kv-encryption): the alerts tell the two apart (docs/alerts.md).
+@pytest.mark.parametrize(("receiver_seal", "sender_seal", "reason", "says"), [
+    (TOKEN, OTHER, "auth_failed", "not signed with this model's control token"),
+    (TOKEN, None, "version_mismatch", "does not seal KV"),
+    (None, TOKEN, "version_mismatch", "does not seal KV (--kv-encryption none)"),
 ], ids=["other-token", "plain-sender", "plain-receiver"])
 def test_a_peer_without_the_token_is_refused_with_a_clear_error(
-        transport: str, receiver_seal: SealSecrets | None, sender_seal: SealSecrets | None, says: str) -> None:
+        transport: str, receiver_seal: SealSecrets | None, sender_seal: SealSecrets | None, reason: str,
+        says: str) -> None:
     with pair(transport, receiver_seal, sender_seal) as (receiver, sender, _, dst):
         started = time.monotonic()
         with pytest.raises(TransferError) as failed:
             sender.connect(receiver.address)  # type: ignore[attr-defined]
-        assert failed.value.reason == "auth_failed"
+        assert failed.value.reason == reason
         assert says in failed.value.message and receiver.address in failed.value.message  # type: ignore[attr-defined]
         assert time.monotonic() - started < 10  # refused at the handshake, not by the 20 s connect timeout
         assert not dst.any()
-        assert receiver.telemetry.failures(transport, "auth_failed") >= 1  # type: ignore[attr-defined]
+        assert receiver.telemetry.failures(transport, reason) >= 1  # type: ignore[attr-defined]
 
 
 def test_the_payload_is_encrypted_and_a_stranger_cannot_attach() -> None:
@@ -107,3 +110,32 @@ def test_sealed_frames_carry_no_plaintext() -> None:
         assert frames and len(frames[0][4]) == len(k_plain) + 16 and k_plain not in frames[0][4]
         assert all(b"dst_block_ids" not in parts[1] for parts in sent if parts[0] == wire.BEGIN)
         transfer.abort()
+
+
+def test_a_replayed_frame_is_refused_and_the_next_transfer_is_intact() -> None:
+    """A sealed frame sent a second time inside its session (as someone on the path could) writes
+    nothing: its transfer fails as corrupt, naming the replay, and the session goes on."""
+    with pair("tcp", TOKEN, TOKEN) as (receiver, sender, src, dst):
+        conn = sender.connect(receiver.address)  # type: ignore[attr-defined]
+        sent: list[list[bytes]] = []
+        original = conn.send
+        conn.send = lambda transfer, parts, stream=None: (sent.append([bytes(p) for p in parts]),  # type: ignore[method-assign]
+                                                          original(transfer, parts, stream))[1]
+        done = DoneWaiter()
+        receiver.expect("req", [1, 2], 10.0, done)  # type: ignore[attr-defined]
+        transfer = conn.begin("req", [1, 2], 10.0)
+        transfer.send_layer(0, [3, 4])
+        frame = next(parts for parts in sent if parts[0] == wire.DATA)
+        original(transfer, frame)  # the same sealed bytes again
+        error = done.wait(5)
+        assert error is not None and error.reason == "corrupt_frame" and "replay" in error.message
+        transfer.abort()
+
+        done = DoneWaiter()
+        receiver.expect("req2", [5, 6], 10.0, done)  # type: ignore[attr-defined]
+        transfer = conn.begin("req2", [5, 6], 10.0)
+        for layer in range(TINY_LAYOUT.num_layers):
+            transfer.send_layer(layer, [7, 8])
+        transfer.finish()
+        assert done.wait(5) is None
+        assert torch.equal(dst[:, :, [5, 6]], src[:, :, [7, 8]])

@@ -85,3 +85,44 @@ def test_counters_never_repeat_and_secrets_never_print() -> None:
     send, _, _ = session(SealSecrets.from_tokens([TOKEN]), SealSecrets.from_tokens([TOKEN]))
     assert len({send.next_counter() for _ in range(1000)}) == 1000
     assert TOKEN not in repr(SealSecrets.from_tokens([TOKEN]))
+
+
+def test_a_sealed_control_message_opens_once() -> None:
+    """Copied off the wire and sent again in its session, a sealed message is refused as a replay."""
+    send, opener, _ = session(SealSecrets.from_tokens([TOKEN]), SealSecrets.from_tokens([TOKEN]))
+    begin = send.seal_body(b"B", b'{"transfer_id":"r1"}')
+    assert opener.open_body(b"B", begin) == b'{"transfer_id":"r1"}'
+    with pytest.raises(SealError, match="already received: a replay"):
+        opener.open_body(b"B", begin)
+
+
+def test_the_replay_window_takes_interleaved_counters_once_each() -> None:
+    """Streams interleave, so counters arrive out of order: each is accepted once, in any order, while
+    it is within the window of the newest; further behind it cannot be told from a replay."""
+    window = sealing.ReplayWindow()
+    for counter in (5, 3, 9, 4, 0, 8, 1):
+        window.accept(counter)
+    for counter in (5, 3, 0, 9):
+        with pytest.raises(SealError, match="a replay"):
+            window.accept(counter)
+    window.accept(2)  # never seen, still inside the window
+    window.accept(9 + sealing.WINDOW)  # the newest moves: 9 is now the oldest counter kept
+    with pytest.raises(SealError, match="possible replay"):
+        window.accept(6)
+    with pytest.raises(SealError, match="already received"):
+        window.accept(9 + sealing.WINDOW)
+    window.accept(8 + sealing.WINDOW)  # inside the window, never seen
+    window.accept(10 * sealing.WINDOW)  # a jump past the whole window forgets everything behind it
+    with pytest.raises(SealError, match="possible replay"):
+        window.accept(10 + sealing.WINDOW)
+
+
+def test_a_forged_part_does_not_move_the_window() -> None:
+    """Only authenticated messages are recorded: garbage with a far-future counter cannot push real
+    messages out of the window."""
+    send, opener, _ = session(SealSecrets.from_tokens([TOKEN]), SealSecrets.from_tokens([TOKEN]))
+    forged = sealing.COUNTER.pack(10**9) + bytes(40)
+    with pytest.raises(SealError, match="failed authentication"):
+        opener.open_body(b"B", forged)
+    assert opener.replay.newest == -1
+    assert opener.open_body(b"B", send.seal_body(b"B", b"{}")) == b"{}"

@@ -27,6 +27,15 @@ is never reused (an 8-byte counter per connection, carried in the message): cont
 and a tcp frame's K and V parts, whose header, transfer id and block ids are the associated data.
 Replies (ACK, DONE, FAILED) are not sealed: they carry no secrets, and only the receiver the sender
 connected to can send on that connection.
+
+Replay: the opener accepts each counter once (ReplayWindow), so a sealed message copied off the wire
+and sent again inside its session is refused; another session has other keys, where it does not open.
+The window is wide (WINDOW counters) because a session's streams are separate connections and their
+messages reach the receiver interleaved, not in counter order.
+
+A peer that does not seal at all is told apart from one that seals with a wrong token (SealMismatch,
+counted version_mismatch, not auth_failed): the first is a rollout from a release before sealing or a
+worker started with another --kv-encryption; the second is someone without the model's token.
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ import hmac
 import itertools
 import json
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -54,7 +64,45 @@ _KEY_LABEL = b"tandem-kv-seal-v1"
 
 
 class SealError(ValueError):
-    """A handshake field or sealed message that does not check out (wrong key, damaged, forged)."""
+    """A handshake field or sealed message that does not check out (wrong key, damaged, forged, replayed)."""
+
+
+class SealMismatch(SealError):
+    """The peer does not seal at all (a release before sealing, or --kv-encryption none): a configuration
+    or rollout mismatch, not a failed authentication."""
+
+
+WINDOW = 1 << 16  # counters a message may lag the newest one opened (interleaved streams) and still open
+_WINDOW_MASK = (1 << WINDOW) - 1
+
+
+class ReplayWindow:
+    """Which counters were already opened: each is accepted once (the sliding window of RFC 4303, 3.4.3).
+
+    `newest` is the highest counter accepted; bit i of `_seen` says whether newest - i was. A counter
+    more than WINDOW behind the newest is refused too: it can no longer be told from a replay.
+    """
+
+    def __init__(self) -> None:
+        self.newest = -1
+        self._seen = 0
+        self._lock = threading.Lock()
+
+    def accept(self, counter: int) -> None:
+        """Record `counter` (of a message that authenticated); SealError when it was seen or is too old."""
+        with self._lock:
+            if counter > self.newest:
+                shift = counter - self.newest
+                self._seen = ((self._seen << shift) | 1) & _WINDOW_MASK if shift < WINDOW else 1
+                self.newest = counter
+                return
+            lag = self.newest - counter
+            if lag >= WINDOW:
+                raise SealError(f"a sealed message with counter {counter} arrived {lag} behind the newest "
+                                f"(window {WINDOW}): refused as a possible replay")
+            if self._seen >> lag & 1:
+                raise SealError(f"a sealed message with counter {counter} was already received: a replay")
+            self._seen |= 1 << lag
 
 
 @dataclass(frozen=True)
@@ -118,6 +166,7 @@ class SessionCipher:
         self._aead = AESGCM(key)
         self._direction = direction
         self._counter = itertools.count()  # next() on a count is atomic under the GIL: any thread may call
+        self.replay = ReplayWindow()  # what the other side sent under this key: each counter opens once
 
     def next_counter(self) -> int:
         return next(self._counter)
@@ -129,6 +178,8 @@ class SessionCipher:
         return self._aead.encrypt(self._nonce(counter, part), data, aad)
 
     def open_into(self, counter: int, part: int, data: bytes | memoryview, aad: bytes, out: memoryview) -> None:
+        """Decrypt one part of a frame. A frame's K and V share a counter: the caller accepts it in
+        `replay` once both opened (a forged part must not move the window)."""
         try:
             self._aead.decrypt_into(self._nonce(counter, part), data, aad, out)
         except InvalidTag:
@@ -144,10 +195,12 @@ class SessionCipher:
             raise SealError("sealed control message too short")
         (counter,) = COUNTER.unpack_from(sealed)
         try:
-            return self._aead.decrypt(self._nonce(counter, CONTROL_PART), memoryview(sealed)[COUNTER.size:],
-                                      b"control|" + kind)
+            plain = self._aead.decrypt(self._nonce(counter, CONTROL_PART), memoryview(sealed)[COUNTER.size:],
+                                       b"control|" + kind)
         except InvalidTag:
             raise SealError(_FORGED) from None
+        self.replay.accept(counter)
+        return plain
 
 
 _SENDER, _RECEIVER = b"kv>", b"kv<"  # nonce prefixes of the two directions
@@ -171,8 +224,8 @@ class SenderHandshake:
         the transport's sealed WELCOME fields). SealError when the receiver does not hold the token."""
         fields = welcome.get("seal")
         if not isinstance(fields, dict):
-            raise SealError("the receiver's WELCOME is not sealed (it runs with --kv-encryption none, or is "
-                            "older): this sender seals KV")
+            raise SealMismatch("the receiver's WELCOME is not sealed (it runs with --kv-encryption none, or is "
+                               "a release before sealing): this sender seals KV")
         eph_s, eph_r = _public(self._key), _hex_field(fields, "eph", 32)
         secret, session = self.secrets.secrets[0], self.session.encode()
         if not hmac.compare_digest(_hex_field(fields, "mac", 32), _mac(secret, b"welcome", session, eph_s, eph_r)):
@@ -210,8 +263,8 @@ def accept_hello(secrets: SealSecrets, session: str, hello: dict[str, object]) -
     """Check a HELLO's seal against every accepted secret; SealError when none matches (or it has none)."""
     fields = hello.get("seal")
     if not isinstance(fields, dict):
-        raise SealError("the sender does not seal KV (it runs with --kv-encryption none, without a control "
-                        "token, or is older): this receiver accepts sealed transfers only")
+        raise SealMismatch("the sender does not seal KV (it runs with --kv-encryption none, without a control "
+                           "token, or is a release before sealing): this receiver accepts sealed transfers only")
     if fields.get("suite") != SUITE:
         raise SealError(f"unknown sealing suite {fields.get('suite')!r}; this receiver speaks {SUITE}")
     eph_s, mac = _hex_field(fields, "eph", 32), _hex_field(fields, "mac", 32)

@@ -42,6 +42,7 @@ from .errors import (
     REASONS,
     TIMEOUT,
     UNKNOWN_TRANSFER,
+    VERSION_MISMATCH,
     TransferError,
 )
 from .sealing import (
@@ -49,6 +50,7 @@ from .sealing import (
     TAG_BYTES,
     V_PART,
     SealError,
+    SealMismatch,
     SealSecrets,
     SessionCipher,
     accept_hello,
@@ -371,11 +373,12 @@ class TcpReceiver:
         session_id = str(peer.get("session"))
         try:  # before anything is held or sent for this peer (an rdma WELCOME names its QP)
             sealed = accept_hello(self._seal, session_id, peer) if self._seal is not None else None
-        except SealError as exc:
-            self._refuse_hello(identity, TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}"))
+        except SealError as exc:  # no seal at all: a rollout or a config mismatch; a wrong one: no token
+            reason = VERSION_MISMATCH if isinstance(exc, SealMismatch) else AUTH_FAILED
+            self._refuse_hello(identity, TransferError(reason, f"KV receiver at {self.address}: {exc}"))
             return
         if sealed is None and isinstance(peer.get("seal"), dict):
-            self._refuse_hello(identity, TransferError(AUTH_FAILED, (
+            self._refuse_hello(identity, TransferError(VERSION_MISMATCH, (
                 f"the KV receiver at {self.address} does not seal KV (--kv-encryption none), the sender does: "
                 "every worker of a model must run with the same --kv-encryption")))
             return
@@ -664,6 +667,7 @@ class TcpReceiver:
         try:
             opener.open_into(counter, K_PART, parts[5].buffer, aad, k_out)
             opener.open_into(counter, V_PART, parts[6].buffer, aad, v_out)
+            opener.replay.accept(counter)  # only once both parts authenticated
         except SealError as exc:
             raise TransferError(CORRUPT_FRAME, f"frame {header.seq} (layer {header.layer}): {exc}",
                                 raw_id.decode(errors="replace")) from None

@@ -51,9 +51,10 @@ from .errors import (
     INCOMPLETE,
     PEER_LOST,
     TIMEOUT,
+    VERSION_MISMATCH,
     TransferError,
 )
-from .sealing import K_PART, V_PART, SealError, SealSecrets, SenderHandshake, SessionCipher
+from .sealing import K_PART, V_PART, SealError, SealMismatch, SealSecrets, SenderHandshake, SessionCipher
 from .security import connect_securely
 from .telemetry import TransferTelemetry
 from .tracking import validate_block_ids
@@ -279,9 +280,10 @@ class TcpConnection:
         if sealing is not None:
             try:
                 self.cipher, _, boxed = sealing.complete(reply)
-            except SealError as exc:
-                self.telemetry.failed(self.transport, AUTH_FAILED)
-                raise TransferError(AUTH_FAILED, f"KV receiver at {self.address}: {exc}") from None
+            except SealError as exc:  # SealMismatch: the receiver does not seal (rollout, config), else no token
+                reason = VERSION_MISMATCH if isinstance(exc, SealMismatch) else AUTH_FAILED
+                self.telemetry.failed(self.transport, reason)
+                raise TransferError(reason, f"KV receiver at {self.address}: {exc}") from None
             reply = {**reply, **boxed}  # the transport's fields (rdma: the QP) travel sealed
         self._on_welcome(reply)
         for index, stream in enumerate(self._streams):
