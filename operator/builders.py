@@ -286,11 +286,14 @@ TMP_SIZE = "1Gi"  # scratch only (CUDA and Triton kernel caches under HOME=/tmp)
 
 def worker_security_context(spec: DisaggregatedModelSpec, resources: ResourceRequirements) -> Manifest:
     """RDMA memory registration pins pages, which needs CAP_IPC_LOCK, and Kubernetes makes an added
-    capability effective only for root (the image runs as uid 65532): RDMA pods run as root with it
-    (unchanged: that path cannot be tried here). Every other worker gets no privilege at all."""
+    capability effective only for root (no ambient capabilities; the image runs as uid 65532): RDMA pods
+    run as uid 0 holding IPC_LOCK and nothing else (no CHOWN, DAC_OVERRIDE, NET_RAW, ...), with the
+    rest of the restricted context: a root without capabilities cannot write the read-only image,
+    read another uid's private files or gain more. Every other worker gets no privilege at all."""
     rdma_listed = spec.kv_transfer.rdma_resource in {**resources.requests, **resources.limits}
     if requests_rdma(spec) or rdma_listed:  # transport auto uses RDMA where a pod lists the device
-        return {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+        return {**RESTRICTED_CONTEXT, "runAsNonRoot": False, "runAsUser": 0,
+                "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
     return dict(RESTRICTED_CONTEXT)
 
 

@@ -6,6 +6,7 @@ then scales, kills, rolls and deletes it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -136,6 +137,70 @@ def test_pods_pass_podsecurity_restricted_with_a_read_only_root(setup: Any) -> N
         assert "/home/tandem refused 30" in out and "/opt/venv refused 30" in out, (name, out)  # EROFS
         assert "/tmp writable" in out, (name, out)
         assert f"token {component == 'router'}" in out, (name, out)
+
+
+# In an RDMA worker's context: the capabilities it holds, whether it can pin memory past its memlock
+# limit (what ibv_reg_mr does when it registers the KV cache; mlock stands in, there is no NIC here),
+# and the read-only root.
+RDMA_CONTEXT_PROBE = """
+import ctypes, mmap, pathlib, resource
+caps = int(next(l for l in open('/proc/self/status') if l.startswith('CapEff:')).split()[1], 16)
+soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+size = 64 << 20
+buf = mmap.mmap(-1, size)
+libc = ctypes.CDLL(None, use_errno=True)
+rc = libc.mlock(ctypes.c_void_p(ctypes.addressof(ctypes.c_char.from_buffer(buf))), ctypes.c_size_t(size))
+print('uid', __import__('os').getuid(), 'caps', hex(caps), 'memlock', soft, 'mlock', rc, ctypes.get_errno())
+for d in ('/opt/venv', '/tmp'):
+    try:
+        pathlib.Path(d, 'probe').write_text('x'); print(d, 'writable')
+    except OSError as e:
+        print(d, 'refused', e.errno)
+"""
+CAP_IPC_LOCK = 14
+
+
+def test_an_rdma_workers_context_holds_only_ipc_lock_and_pins_memory(setup: Any) -> None:
+    """The security context the operator gives RDMA workers, on a real pod (the worker image, no NIC):
+    root holding IPC_LOCK and no other capability, able to pin 64 MiB past the memlock limit, with a
+    read-only root; and a namespace enforcing PodSecurity baseline refuses it (IPC_LOCK is not in
+    baseline's list), as docs/security.md says."""
+    from tandem.operator import builders
+    from tandem.operator.api import DisaggregatedModelSpec
+
+    spec = setup.resource()["spec"]
+    rdma_spec = DisaggregatedModelSpec.model_validate({**spec, "kvTransfer": {**spec.get("kvTransfer", {}),
+                                                                               "transport": "rdma"}})
+    context = builders.worker_security_context(rdma_spec, rdma_spec.decode.resources)
+    assert context["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, context
+    worker = next(p for p in setup.json("get", "pods", "-n", setup.namespace, "-l",
+                                        f"app.kubernetes.io/instance={setup.name}")["items"]
+                  if p["metadata"]["labels"]["app.kubernetes.io/component"] == "decode")
+    image = worker["spec"]["containers"][0]
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "rdma-context"},
+           "spec": {"restartPolicy": "Never", "nodeName": setup.info["node"], "automountServiceAccountToken": False,
+                    "containers": [{"name": "probe", "image": image["image"],
+                                    "imagePullPolicy": image.get("imagePullPolicy", "IfNotPresent"),
+                                    "command": ["python3", "-c", RDMA_CONTEXT_PROBE], "securityContext": context,
+                                    "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}]}],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]}}
+    baseline, free = f"{setup.namespace}-baseline", f"{setup.namespace}-rdma"
+    try:
+        for ns, level in ((baseline, "baseline"), (free, "privileged")):
+            setup.kubectl("create", "namespace", ns)
+            setup.kubectl("label", "namespace", ns, f"pod-security.kubernetes.io/enforce={level}")
+        with pytest.raises(AssertionError, match=r"violates PodSecurity .baseline.*IPC_LOCK"):
+            setup.kubectl("apply", "-n", baseline, "-f", "-", input=json.dumps(pod))
+        setup.kubectl("apply", "-n", free, "-f", "-", input=json.dumps(pod))
+        setup.wait("the probe pod finished", lambda: setup.json("get", "pod", "rdma-context", "-n", free)
+                   ["status"]["phase"] in ("Succeeded", "Failed"), timeout=180)
+        out = setup.kubectl("logs", "-n", free, "rdma-context")
+        assert f"uid 0 caps {hex(1 << CAP_IPC_LOCK)} " in out, out  # IPC_LOCK, effective, and nothing else
+        assert " mlock 0 " in out, out  # pinned past the memlock limit printed beside it
+        assert "/opt/venv refused 30" in out and "/tmp writable" in out, out  # EROFS
+    finally:
+        for ns in (baseline, free):
+            setup.kubectl("delete", "namespace", ns, "--ignore-not-found", "--wait=false", check=False)
 
 
 def test_operator_runs_as_a_pod_with_the_charts_rbac(setup: Any) -> None:

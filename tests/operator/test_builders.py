@@ -128,12 +128,14 @@ def test_user_resources_are_kept_next_to_the_gpus() -> None:
     assert resources["limits"] == {"memory": "20Gi", "nvidia.com/gpu": "1", "rdma/hca": "1"}
 
 
-def test_only_rdma_workers_get_root_and_ipc_lock() -> None:
-    """IPC_LOCK is effective only for root (the image runs as 65532): RDMA pods run as root with it,
-    every other worker with no privilege."""
+def test_only_rdma_workers_get_root_and_only_ipc_lock() -> None:
+    """IPC_LOCK is effective only for root (the image runs as 65532): RDMA pods run as root with it and
+    no other capability, under the same read-only, no-escalation, seccomp context; every other worker
+    with no privilege."""
     unprivileged = {"runAsNonRoot": True, "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]},
                     "readOnlyRootFilesystem": True, "seccompProfile": {"type": "RuntimeDefault"}}
-    rdma = {"runAsUser": 0, "capabilities": {"add": ["IPC_LOCK"]}}
+    rdma = {**unprivileged, "runAsNonRoot": False, "runAsUser": 0,
+            "capabilities": {"drop": ["ALL"], "add": ["IPC_LOCK"]}}
     for transport, expected in (("auto", unprivileged), ("tcp", unprivileged), ("rdma", rdma)):
         spec = spec_of(kvTransfer={"transport": transport})
         assert container(worker(spec, "decode"))["securityContext"] == expected, transport
