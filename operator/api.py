@@ -132,6 +132,12 @@ URI_PATTERN = r"^https?://[^\s/?#]+[^\s]*$"  # a scheme, a host, then anything b
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
+# Absolute, no empty, "." or ".." segment, no trailing slash: one spelling per folder, so the reserved paths
+# cannot be reached by another (/tmp/, //tmp, /etc/x/../tandem). The Hub cache's node folder (cache.hostPath)
+# takes the same form, which also refuses / itself.
+MOUNT_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
+
+
 # A Hub repository id as huggingface_hub checks it: [org/]name of letters, digits, - _ . (no -- or .. anywhere).
 HF_REPO_PATTERN = r"^([A-Za-z0-9][-A-Za-z0-9_.]{0,95}/)?[A-Za-z0-9][-A-Za-z0-9_.]{0,95}$"
 HF_REVISION_PATTERN = r"^[A-Za-z0-9][-A-Za-z0-9_./]*$"  # a branch, tag or commit hash
@@ -148,13 +154,39 @@ class HubTokenRef(ApiModel):
 
 
 class HubCache(ApiModel):
-    """The volume the Hub cache lives on, shared by every worker pod of the model."""
+    """Where the Hub cache lives: exactly one of claimName (one download per claim, shared by every worker pod of
+    the model) or hostPath (a folder on each node: one download per node)."""
 
-    claim_name: str = Field(
-        min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN,
+    cross_field_rules = (
+        CrossFieldRule(
+            cel="[has(self.claimName), has(self.hostPath)].filter(x, x).size() == 1",
+            message="cache needs exactly one of claimName or hostPath",
+            check=lambda c: (c.claim_name is not None) + (c.host_path is not None) == 1,
+        ),
+        CrossFieldRule(
+            cel=f"!has(self.hostPath) || self.hostPath.matches(r'{MOUNT_PATH_PATTERN}')",
+            message="hostPath must be an absolute folder on the node, without . or .. segments or a trailing / "
+            "(such as /var/cache/tandem/hub)",
+            check=lambda c: c.host_path is None or re.fullmatch(MOUNT_PATH_PATTERN, c.host_path) is not None,
+            field_path=".hostPath",
+        ),
+    )
+
+    claim_name: str | None = Field(
+        default=None, min_length=1, max_length=253, pattern=OBJECT_NAME_PATTERN,
         description="A PersistentVolumeClaim in the resource's namespace; the Hugging Face cache is its root. "
         "ReadWriteMany when the pools' pods run on several nodes (ReadWriteOnce ties them all to one node). "
-        "Several models may share one claim.",
+        "Several models may share one claim. The pods get fsGroup 65532, so the kubelet makes the claim's root "
+        "writable by the images' user.",
+    )
+    host_path: str | None = Field(
+        default=None, max_length=1024,
+        description="A folder on each node (hostPath, type DirectoryOrCreate) that is the Hugging Face cache: the "
+        "first pod on a node downloads, the node's other pods wait for it, and a node that already holds the "
+        "model downloads nothing. The folder must be writable by uid or gid 65532 (the images' user; fsGroup does "
+        "not apply to hostPath and a folder the kubelet creates is root's): create it when preparing the node, "
+        "e.g. install -d -o 65532 -g 65532 -m 0775 /var/cache/tandem/hub. PodSecurity baseline and restricted "
+        "refuse hostPath volumes: such a namespace needs privileged.",
     )
 
 
@@ -182,7 +214,8 @@ class HuggingFaceSource(ApiModel):
         description="A Secret key holding an access token, for gated or private repositories. Only the download's "
         "init container gets it (as HF_TOKEN), never the worker that serves requests.",
     )
-    cache: HubCache = Field(description="Where the Hub cache lives: one download per model, not one per pod.")
+    cache: HubCache = Field(description="Where the Hub cache lives: one download per claim (claimName) or per node "
+                            "(hostPath), not one per pod.")
 
 
 class ModelSource(ApiModel):
@@ -232,8 +265,9 @@ class ModelSource(ApiModel):
     hugging_face: HuggingFaceSource | None = Field(
         default=None,
         description="A Hugging Face Hub repository. An init container of each worker pod downloads what the engine "
-        "reads into the shared cache claim (one pod downloads, the others wait for it and find the files there) and "
-        "the worker reads the snapshot it resolved from the claim, mounted read-only at /models.",
+        "reads into the shared cache, a claim or a node folder (one pod downloads, the others wait for it and find "
+        "the files there), and the worker reads the snapshot it resolved from the cache, mounted read-only at "
+        "/models.",
     )
     sha256: str | None = Field(
         default=None, pattern=SHA256_PATTERN,
@@ -384,7 +418,7 @@ class ResourceRequirements(ApiModel):
 OPERATOR_VOLUMES = ("shm", "tmp", "model", "kv-keys", "control-token")
 OPERATOR_MOUNT_PATHS = ("/dev/shm", "/tmp")  # exactly these
 OPERATOR_MOUNT_ROOT = "/etc/tandem"  # the Secrets (control token, KV keys): this folder and everything below
-MODEL_MOUNT_ROOT = "/models"  # the model volume of a pvc or uri source (a path source leaves it to you)
+MODEL_MOUNT_ROOT = "/models"  # the model volume of a pvc, uri or huggingFace source (a path source leaves it to you)
 # Selector labels (app.kubernetes.io/name, instance, component) would move pods in or out of a Deployment,
 # Service or NetworkPolicy; managed-by and anything under tandem.dev/ are the operator's bookkeeping.
 RESERVED_LABEL_KEYS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
@@ -393,9 +427,6 @@ RESERVED_ANNOTATION_KEYS = ("prometheus.io/scrape", "prometheus.io/port", "prome
 TANDEM_KEY_PATTERN = r"^([^/]*\.)?tandem\.dev/"  # tandem.dev/... and <sub>.tandem.dev/...
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
-# Absolute, no empty, "." or ".." segment, no trailing slash: one spelling per folder, so the reserved paths
-# cannot be reached by another (/tmp/, //tmp, /etc/x/../tandem).
-MOUNT_PATH_PATTERN = r"^(/([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+))+$"
 
 
 def _meta_keys_message(reserved: tuple[str, ...], what: str) -> str:
@@ -571,7 +602,7 @@ class PodTemplateSpec(ApiModel):
     volume_mounts: VolumeMountList = Field(
         default_factory=list, max_length=32,
         description="Mounts of `volumes` into the container. Not at /dev/shm, /tmp or under /etc/tandem; for the "
-        "pools, not under /models either when model.source is pvc or uri (the model is mounted there).",
+        "pools, not under /models either when model.source is pvc, uri or huggingFace (the model is mounted there).",
     )
     service_account_name: str | None = Field(
         default=None, max_length=253, pattern=DNS_SUBDOMAIN_PATTERN,

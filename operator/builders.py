@@ -21,6 +21,7 @@ from tandem.operator.api import (
     POOL_KIND,
     DisaggregatedModelSpec,
     EnvVar,
+    HubCache,
     PodTemplateSpec,
     PoolName,
     ResourceRequirements,
@@ -45,11 +46,12 @@ SPEC_FINGERPRINT_LABEL = "tandem.dev/spec-fingerprint"
 MODEL_MOUNT = "/models"
 FETCHED_MODEL_DIR = f"{MODEL_MOUNT}/model"  # where the fetch-model init container unpacks a uri source
 FETCH_CONTAINER = "fetch-model"
-# A huggingFace source: the cache claim is the Hub cache, mounted at MODEL_MOUNT (read-write in the init container,
-# read-only in the worker); the init container links HUB_MODEL_LINK, in the pod's own /tmp emptyDir, to the
-# snapshot it resolved, so the worker reads that commit even if another pod moves the cache's branch ref later.
+# A huggingFace source: the cache (a claim, or a node folder) is the Hub cache, mounted at MODEL_MOUNT (read-write
+# in the init container, read-only in the worker); the init container links HUB_MODEL_LINK, in the pod's own /tmp
+# emptyDir, to the snapshot it resolved, so the worker reads that commit even if another pod moves the cache's
+# branch ref later.
 HUB_MODEL_LINK = "/tmp/model"
-WORKER_UID = 65532  # the images' user (docker/worker.Dockerfile): the pod's fsGroup, so it can write the cache
+WORKER_UID = 65532  # the images' user and group (docker/worker.Dockerfile): a claim cache's fsGroup
 KV_KEYS_MOUNT = "/etc/tandem/kv-keys"  # the Secret's public and secret files: `tandem worker --kv-keys`
 KV_KEYS_VOLUME = "kv-keys"
 KV_KEYS_COMPONENT = "kv-keys"  # the Secret's component label (shared by both pools)
@@ -261,8 +263,23 @@ def fetch_model_container(spec: DisaggregatedModelSpec, pool: PoolName) -> Manif
     return container
 
 
+def hub_cache_volume(cache: HubCache) -> Manifest:
+    """The "model" volume of a huggingFace source: the cache claim (one download per claim), or the node folder
+    (one download per node: the init container's lock file in the cache then serialises the pods of one node).
+
+    The node folder must already be writable by uid or gid WORKER_UID, made so when the node is prepared: the
+    kubelet applies no fsGroup to a hostPath, creates a missing DirectoryOrCreate folder as root with mode 0755,
+    and the init container runs as WORKER_UID without capabilities (docs/security.md: no step of the pod runs as
+    root to prepare a volume), so nothing in the pod can chown it. DirectoryOrCreate rather than Directory: a node without the folder still
+    starts the pod, and the init container then fails with one line in its log (cannot write to the Hub cache
+    /models, Permission denied) instead of a pod stuck before its containers on a mount event."""
+    if cache.host_path is not None:
+        return {"name": "model", "hostPath": {"path": cache.host_path, "type": "DirectoryOrCreate"}}
+    return {"name": "model", "persistentVolumeClaim": {"claimName": cache.claim_name}}
+
+
 def _hub_env(spec: DisaggregatedModelSpec) -> list[Manifest]:
-    """The init container's Hub settings for a huggingFace source: the cache on the claim, and the token."""
+    """The init container's Hub settings for a huggingFace source: the cache on its volume, and the token."""
     hub = spec.model.source.hugging_face
     if hub is None:
         return []
@@ -376,8 +393,7 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
         volumes.append({"name": "model", "emptyDir": {"sizeLimit": model_size_limit(spec)}})
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     elif spec.model.source.hugging_face is not None:
-        volumes.append({"name": "model", "persistentVolumeClaim": {
-            "claimName": spec.model.source.hugging_face.cache.claim_name}})
+        volumes.append(hub_cache_volume(spec.model.source.hugging_face.cache))
         mounts.append({"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True})
     annotations = {"prometheus.io/scrape": "true", "prometheus.io/port": str(HTTP_PORT),
                    "prometheus.io/path": "/metrics"}
@@ -415,9 +431,9 @@ def worker_pod_template(owner: Owner, spec: DisaggregatedModelSpec, pool: PoolNa
     }
     if spec.model.source.uri is not None or spec.model.source.hugging_face is not None:
         pod_spec["initContainers"] = [fetch_model_container(spec, pool)]
-    if spec.model.source.hugging_face is not None:
+    if spec.model.source.hugging_face is not None and spec.model.source.hugging_face.cache.claim_name is not None:
         # The cache claim's root becomes group-writable by the pods' uid; OnRootMismatch: one chown, not one per
-        # pod start over a cache of many GB.
+        # pod start over a cache of many GB. (A hostPath cache gets none: the kubelet never applies fsGroup to it.)
         pod_spec["securityContext"] = {"fsGroup": WORKER_UID, "fsGroupChangePolicy": "OnRootMismatch"}
     if pool_spec.affinity:
         pod_spec["affinity"] = pool_spec.affinity

@@ -74,9 +74,10 @@ class Logged:
 
 
 class HubStandIn:
-    """`with HubStandIn() as hub:` serves on 127.0.0.1; `hub.url` is the HF_ENDPOINT to use."""
+    """`with HubStandIn() as hub:` serves on 127.0.0.1 (or `host`: the real node's pods reach the node IP);
+    `hub.url` is the HF_ENDPOINT to use."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.repos: dict[str, Repo] = {}
         self.known_tokens: set[str] = set()
         self.drop_once: set[str] = set()   # file names: cut the connection halfway, on the first GET only
@@ -84,9 +85,9 @@ class HubStandIn:
         self.slow: dict[str, float] = {}   # file names: seconds to wait before answering a GET
         self.log: list[Logged] = []
         self._lock = threading.Lock()
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = http.server.ThreadingHTTPServer((host, 0), self._handler())
         self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        self.url = f"http://{host}:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     def __enter__(self) -> HubStandIn:

@@ -1,6 +1,7 @@
-"""spec.model.source.huggingFace -> worker pods: an init container downloads into the shared cache claim (one
-download per model: the others wait on its lock, tests/hub/test_hub_download.py), the worker reads the snapshot
-the init container linked, from the claim mounted read-only, and never sees the token."""
+"""spec.model.source.huggingFace -> worker pods: an init container downloads into the shared cache, a claim (one
+download per claim) or a node folder (one per node; the others wait on its lock, tests/hub/test_hub_download.py),
+the worker reads the snapshot the init container linked, from the cache mounted read-only, and never sees the
+token."""
 
 from __future__ import annotations
 
@@ -53,6 +54,38 @@ def test_hugging_face_source_downloads_in_an_init_container_into_the_cache_claim
     assert not any(e["name"].startswith("HF_") for e in worker["env"])  # the token stays in the init container
     # The claim's root is made writable by the images' uid once (not re-chowned at every pod start).
     assert pod["securityContext"] == {"fsGroup": 65532, "fsGroupChangePolicy": "OnRootMismatch"}
+
+
+@pytest.mark.parametrize("pool", ["prefill", "decode"])
+def test_host_path_cache_is_a_node_folder_with_no_fs_group(pool: str) -> None:
+    """cache.hostPath: the node's folder is the Hub cache (one download per node: the init container's lock in it
+    serialises that node's pods), read-write for the init container and read-only for the worker. No fsGroup: the
+    kubelet never applies it to a hostPath (the folder is made writable for uid/gid 65532 when the node is
+    prepared), and it would only change the ownership of the pod's other volumes."""
+    source = {"huggingFace": {**HF, "cache": {"hostPath": "/var/cache/tandem/hub"}, "tokenSecretRef": {"name": "t"}}}
+    pod = pod_of(source, pool)
+    (model,) = [v for v in pod["volumes"] if v["name"] == "model"]
+    assert model == {"name": "model", "hostPath": {"path": "/var/cache/tandem/hub", "type": "DirectoryOrCreate"}}
+    assert "securityContext" not in pod
+    (init,) = pod["initContainers"]
+    assert init["args"] == ["fetch-model", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--link", "/tmp/model"]
+    assert init["env"][:3] == [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HUB_CACHE", "value": "/models"},
+                               {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"}]
+    assert init["volumeMounts"] == [{"name": "model", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
+    assert init["securityContext"] == builders.RESTRICTED_CONTEXT  # uid 65532, no capabilities: never root
+    worker = pod["containers"][0]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in worker["volumeMounts"]
+    assert worker["args"][worker["args"].index("--model") + 1] == "/tmp/model"
+    assert not any(e["name"].startswith("HF_") for e in worker["env"])
+
+
+def test_the_cache_kind_is_part_of_the_spec_fingerprint() -> None:
+    """Moving the cache from a claim to a node folder rolls the pools (their pods mount another volume)."""
+    def fingerprint(cache: dict[str, Any]) -> str:
+        return spec_fingerprint(DisaggregatedModelSpec.model_validate(
+            {"model": {"name": "llama", "source": {"huggingFace": {**HF, "cache": cache}}}}))
+
+    assert fingerprint({"claimName": "hub-cache"}) != fingerprint({"hostPath": "/var/cache/tandem/hub"})
 
 
 def test_hugging_face_source_without_token_or_revision() -> None:

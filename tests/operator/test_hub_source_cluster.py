@@ -1,7 +1,7 @@
 """spec.model.source.huggingFace against the real control plane: the API server takes the source (and refuses
 its broken neighbours: invalid_resources.yaml), the operator's worker Deployments with the fetch-model init
 container, the cache claim, the token's secretKeyRef and the pod's fsGroup pass the API server's own pod
-validation, and the pods (kwok) are scheduled with the claim bound."""
+validation, and the pods (kwok) are scheduled with the claim bound; a node-folder cache (hostPath) likewise."""
 
 from __future__ import annotations
 
@@ -58,3 +58,34 @@ def test_hugging_face_source_reaches_the_pods(testbed: Bed, cleanup: list[str],
         pods = testbed.list("pod", f"app.kubernetes.io/instance={name},app.kubernetes.io/component={pool}")
         assert pods and all(p["spec"].get("nodeName") for p in pods), [p.get("status") for p in pods]
     assert testbed.get("pvc", "hub-cache")["status"]["phase"] == "Bound"
+
+
+def test_host_path_cache_reaches_the_pods(testbed: Bed, cleanup: list[str],
+                                          sample: Callable[[str], dict[str, Any]]) -> None:
+    """cache.hostPath: the API server takes it, and the pods (kwok) carry the node folder as a DirectoryOrCreate
+    hostPath with no fsGroup; the refusals of both or neither key, and of relative, `..`, / and trailing-/ paths,
+    are in invalid_resources.yaml (test_cluster_operator.py runs them here too)."""
+    body = copy.deepcopy(sample("minimal"))
+    body["metadata"]["name"] = name = "hub-node"
+    body["spec"]["model"]["source"] = {"huggingFace": {
+        "repo": "meta-llama/Llama-3.1-8B-Instruct", "revision": "0e9e39f249a16976918f6564b8830bc894c89659",
+        "cache": {"hostPath": "/var/cache/tandem/hub"}}}
+    cleanup.append(name)
+    testbed.apply(body)
+
+    def ready() -> dict[str, Any] | None:
+        dm = testbed.get("dm", name)
+        ok = dm is not None and condition(dm, "Ready").get("status") == "True"
+        return dm if ok and dm["status"].get("observedGeneration") == dm["metadata"]["generation"] else None
+
+    testbed.wait_for(f"dm/{name} Ready", ready, timeout=90)
+    for pool in ("prefill", "decode"):
+        pods = testbed.list("pod", f"app.kubernetes.io/instance={name},app.kubernetes.io/component={pool}")
+        assert pods and all(p["spec"].get("nodeName") for p in pods), [p.get("status") for p in pods]
+        for pod in pods:
+            spec = pod["spec"]
+            assert {"name": "model", "hostPath": {"path": "/var/cache/tandem/hub", "type": "DirectoryOrCreate"}} \
+                in spec["volumes"]
+            assert not spec.get("securityContext", {}).get("fsGroup")
+            (init,) = spec["initContainers"]
+            assert {"name": "model", "mountPath": "/models"} in init["volumeMounts"]
