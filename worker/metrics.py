@@ -24,6 +24,7 @@ COMMON_LABELS = (LABEL_MODEL, LABEL_ROLE, LABEL_POOL)
 LABEL_TRANSPORT = "transport"
 LABEL_REASON = "reason"
 LABEL_DIRECTION = "direction"  # send | recv
+LABEL_WORKER = "worker"  # a prefill worker's URL as the router reaches it (router series only)
 # Not set by the process: the scrape adds it from the pod label tandem.dev/model (the DisaggregatedModel's
 # name; the chart's PodMonitor podTargetLabels, or a kubernetes_sd labelmap). It tells apart two resources
 # that serve the same model name in one namespace, which `model` cannot.
@@ -130,6 +131,18 @@ ROUTER_CANARY_PROBES = MetricDef(
 # path mismatches on every probe.
 CANARY_MISMATCH_WINDOW = "30m"
 CANARY_MISMATCH_THRESHOLD = 2
+# The router's picture of each prefill worker's prefix cache (router/prefix_index.py), per worker and counted
+# when a prefill answers: hit rate = expected hits / prompt tokens. Against the worker's own
+# tandem_prefix_cache_hits_total (what its cache really served) it shows whether the picture is right.
+ROUTER_PREFILL_PROMPT_TOKENS = MetricDef(
+    f"{PREFIX}_router_prefill_prompt_tokens", "counter",
+    "Prompt tokens of the prefills this router placed, by the prefill worker that computed them.",
+    labels=(*COMMON_LABELS, LABEL_WORKER))
+ROUTER_PREFIX_EXPECTED_HITS = MetricDef(
+    f"{PREFIX}_router_prefix_expected_hit_tokens", "counter",
+    "Prompt tokens of those prefills the router expected that worker's prefix cache to serve (its picture of the "
+    "cache when it placed them: whole blocks, never a prompt's last token, as the engine looks up).",
+    labels=(*COMMON_LABELS, LABEL_WORKER))
 ROUTER_QUEUED_REQUESTS = MetricDef(f"{PREFIX}_router_queued_requests", "gauge",
                                    "Admitted requests not yet holding a running slot: reading their body, being "
                                    "tokenized or waiting (--max-queued-requests).")
@@ -157,6 +170,7 @@ ALL_WORKER_METRICS = (
 # dashboards and rules they come from the same scrape as the workers': the model's pods.
 ROUTER_ONLY_METRICS = (
     ROUTER_AUTH_FAILURES, ROUTER_OVERLOADED, ROUTER_ACTIVE_REQUESTS, ROUTER_QUEUED_REQUESTS, ROUTER_CANARY_PROBES,
+    ROUTER_PREFILL_PROMPT_TOKENS, ROUTER_PREFIX_EXPECTED_HITS,
 )
 
 # --- operator / autoscaler (label `pool` is prefill|decode, `namespace` and `name` the resource) ---

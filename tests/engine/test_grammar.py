@@ -5,6 +5,7 @@ requests batched next to a constrained one sample exactly what they sample witho
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +117,98 @@ def test_an_invalid_schema_is_a_value_error_naming_the_problem(tiny_model_dir: P
         engine.add_request("r", [5, 6], SamplingParams(grammar=("json_schema", spec)))
     assert "cpp" not in str(info.value)  # xgrammar's source locations stay out of the message
     assert not engine.has_unfinished_requests()
+
+
+def test_an_engine_start_builds_no_vocabulary_table(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """xgrammar's vocabulary table (every token's string) is built with the first grammar, not at every
+    start: an engine whose requests bring none never pays for it (about 0.17 s per start for 128k tokens)."""
+    from tandem.worker.model.tokenizer import Tokenizer
+
+    built: list[int] = []
+    original = Tokenizer.encoded_vocab
+
+    def counted(self: Tokenizer) -> list[str]:
+        built.append(1)
+        return original(self)
+
+    monkeypatch.setattr(Tokenizer, "encoded_vocab", counted)
+    engine = _engine(tiny_model_dir)
+    [prompt] = random_prompts((6,))
+    engine.generate([prompt], SamplingParams(max_tokens=4, temperature=0))
+    assert built == []
+    [out] = engine.generate([prompt], SamplingParams(max_tokens=60, seed=1, grammar=("json_object", "")))
+    assert built == [1] and isinstance(json.loads(engine.tokenizer.decode(out)), dict)
+
+
+def test_grammars_need_no_private_xgrammar_helper(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only xgrammar's public API: an xgrammar without the private TokenizerInfo._detect_metadata_from_hf
+    (it is not promised to stay) still constrains the output."""
+    import xgrammar as xgr
+
+    if hasattr(xgr.TokenizerInfo, "_detect_metadata_from_hf"):
+        monkeypatch.delattr(xgr.TokenizerInfo, "_detect_metadata_from_hf")
+    engine = _engine(tiny_model_dir)
+    [prompt] = random_prompts((9,))
+    [out] = engine.generate([prompt], _schema_params(2))
+    jsonschema_rs.validate(PERSON, json.loads(engine.tokenizer.decode(out)))
+
+
+def test_an_xgrammar_that_cannot_be_imported_is_a_clear_error(tiny_model_dir: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from tandem.worker.engine.grammar import GrammarsUnavailable
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` raises ImportError
+    engine = _engine(tiny_model_dir)
+    with pytest.raises(GrammarsUnavailable, match=r"structured outputs are not available on this worker: xgrammar "
+                                                  r"cannot be imported .*install xgrammar>=0\.2\.9"):
+        engine.add_request("r", [5, 6], _schema_params(1))
+    assert not engine.has_unfinished_requests()
+    [out] = engine.generate([[5, 6]], SamplingParams(max_tokens=3, temperature=0))  # the rest goes on
+    assert len(out) == 3
+
+
+def _tokenizer_json(kind: str) -> str:
+    """tokenizer.json of the shapes published models use, built with `tokenizers` (no Hub here)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    from tandem.worker.model.tiny import build_tokenizer
+
+    sp_decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    if kind == "byte-level":  # Llama 3, Qwen 2: ByteLevel pre-tokenizer and decoder
+        return build_tokenizer().to_str()
+    tok = Tokenizer(models.BPE(vocab={"a": 0, "\u2581": 1}, merges=[], byte_fallback=True))
+    if kind == "prepend-normalizer":  # Llama 2, Mistral v0.1: Prepend + Replace normalizers
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+        tok.decoder = sp_decoder
+    elif kind.startswith("metaspace-"):  # later SentencePiece conversions: a Metaspace pre-tokenizer
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme=kind.split("-")[1])
+        tok.decoder = sp_decoder
+    elif kind == "byte-level-in-sequence":
+        tok.decoder = decoders.Sequence([decoders.Strip(" ", 0, 0), decoders.ByteLevel()])
+    elif kind == "raw":  # no byte decoder at all
+        tok = Tokenizer(models.WordLevel(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return str(tok.to_str())
+
+
+@pytest.mark.parametrize("kind", ["byte-level", "prepend-normalizer", "metaspace-first", "metaspace-always",
+                                  "metaspace-never", "byte-level-in-sequence", "raw"])
+def test_vocab_metadata_reads_tokenizer_json_as_xgrammar_does(kind: str) -> None:
+    """grammar.vocab_metadata against xgrammar's own (private) detection, while the installed xgrammar has it:
+    an xgrammar whose rules change shows here."""
+    import xgrammar as xgr
+
+    from tandem.worker.engine.grammar import vocab_metadata
+
+    expected = {"byte-level": ("BYTE_LEVEL", False), "prepend-normalizer": ("BYTE_FALLBACK", True),
+                "metaspace-first": ("BYTE_FALLBACK", True), "metaspace-always": ("BYTE_FALLBACK", True),
+                "metaspace-never": ("BYTE_FALLBACK", False), "byte-level-in-sequence": ("BYTE_LEVEL", False),
+                "raw": ("RAW", False)}[kind]
+    backend = _tokenizer_json(kind)
+    assert vocab_metadata(backend) == expected
+    detect = getattr(xgr.TokenizerInfo, "_detect_metadata_from_hf", None)
+    if detect is None:
+        pytest.skip("the installed xgrammar has no _detect_metadata_from_hf to compare with")
+    theirs = detect(backend)
+    assert (theirs["vocab_type"].name, theirs["add_prefix_space"]) == expected

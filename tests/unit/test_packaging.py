@@ -66,3 +66,15 @@ def test_unbuilt_subcommand_says_so_and_fails(monkeypatch) -> None:  # type: ign
     result = CliRunner().invoke(cli.main, ["future", "--anything"])
     assert result.exit_code == 2
     assert "not available in this version yet (issue 99" in result.output
+
+
+def test_xgrammars_lower_bound_is_the_version_tested() -> None:
+    """pyproject's lower bound for xgrammar is the version the lock installs (the one CI tests) and the one
+    worker/engine/grammar.py says it was tested with: a lock that moves on moves all three together."""
+    from tandem.worker.engine.grammar import TESTED_XGRAMMAR
+
+    worker = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["worker"]
+    [pin] = [d for d in worker if d.startswith("xgrammar")]
+    [locked] = [line.split("==")[1].strip() for line in (REPO / "requirements-lock.txt").read_text().splitlines()
+                if line.startswith("xgrammar==")]
+    assert pin == f"xgrammar>={TESTED_XGRAMMAR}" and locked == TESTED_XGRAMMAR, (pin, locked, TESTED_XGRAMMAR)

@@ -141,3 +141,79 @@ def test_chat_conversations_spread_and_keep_their_cache() -> None:
     # within 1.25 x the mean must move some turns; round robin moves every one (0.39).
     assert hit_rate >= 0.8 * one_cache_hits
     assert hit_rate > rr_hits + 0.15
+
+
+# --- claims: a placement's blocks count at once, and stay only if its prefill answers ---
+def test_a_released_claim_takes_out_what_it_added_and_nothing_else() -> None:
+    idx = PrefixIndex()
+    system, turn = list(range(32)), list(range(32, 64))
+    idx.record("w", hashes(system))  # a prefill that answered: 2 blocks confirmed
+    claim = idx.claim("w", hashes(system + turn))
+    assert idx.overlap(hashes(system + turn), ["w"]) == {"w": 4}  # counted before the prefill answers
+    assert idx.pending("w") == 2  # the 2 new blocks; the confirmed ones are not the claim's
+    idx.release(claim)
+    assert idx.overlap(hashes(system + turn), ["w"]) == {"w": 2} and idx.size("w") == 2
+    idx.release(claim)  # twice: nothing more goes
+    assert idx.size("w") == 2 and idx.pending("w") == 0
+
+
+def test_a_confirmed_claim_stays_and_a_later_release_does_nothing() -> None:
+    idx = PrefixIndex()
+    prompt = list(range(64))
+    claim = idx.claim("w", hashes(prompt))
+    idx.confirm(claim)
+    idx.release(claim)  # the dispatcher's `finally` after a prefill that answered
+    assert idx.overlap(hashes(prompt), ["w"]) == {"w": 4} and idx.pending("w") == 0
+
+
+def test_concurrent_claims_on_one_prefix_settle_independently() -> None:
+    idx = PrefixIndex()
+    shared, a_tail, b_tail = list(range(32)), [7] * 32, [8] * 32
+    a = idx.claim("w", hashes(shared + a_tail))
+    b = idx.claim("w", hashes(shared + b_tail))  # in flight at the same time, sharing 2 blocks
+    idx.release(a)  # a failed: the shared blocks stay for b, a's own tail goes
+    assert idx.overlap(hashes(shared + a_tail), ["w"]) == {"w": 2}
+    assert idx.overlap(hashes(shared + b_tail), ["w"]) == {"w": 4}
+    idx.release(b)
+    assert idx.size("w") == 0 and idx.known() == ["w"]
+    # One that answered keeps the shared blocks whatever the other does, in either order.
+    a, b = idx.claim("w", hashes(shared + a_tail)), idx.claim("w", hashes(shared + b_tail))
+    idx.confirm(b)
+    idx.release(a)
+    assert idx.overlap(hashes(shared + a_tail), ["w"]) == {"w": 2}
+    assert idx.overlap(hashes(shared + b_tail), ["w"]) == {"w": 4} and idx.pending("w") == 0
+
+
+def test_a_claim_evicted_or_forgotten_meanwhile_settles_without_effect() -> None:
+    idx = PrefixIndex()
+    old, new = list(range(64)), list(range(100, 164))
+    claim = idx.claim("w", hashes(old), capacity=4)
+    idx.record("w", hashes(new))  # evicts all 4 of the claim's blocks
+    idx.release(claim)
+    assert idx.overlap(hashes(new), ["w"]) == {"w": 4}
+    again = idx.claim("w", hashes(old))
+    idx.forget("w")  # restarted
+    later = idx.claim("w", hashes(old))  # claimed again after the restart
+    idx.release(again)  # the first claim's outcome does not touch the second's blocks
+    assert idx.overlap(hashes(old), ["w"]) == {"w": 4}
+    idx.confirm(later)
+    assert idx.pending("w") == 0
+
+
+def test_a_failed_placement_leaves_no_blocks_and_expects_what_the_engine_would_hit() -> None:
+    placer = PrefillPlacer("prefix")
+    prompt = list(range(64))  # 4 full blocks
+    first = placer.placed(cand("a"), len(prompt), hashes(prompt))
+    assert first.expected_blocks == 0 and first.expected_hit_tokens(BS) == 0
+    placer.failed(first)
+    assert placer.index.overlap(hashes(prompt), ["a"]) == {"a": 0}
+    assert placer.holder(hashes(prompt)) is None
+    ok = placer.placed(cand("a"), len(prompt), hashes(prompt))
+    placer.prefilled(ok)
+    placer.failed(ok)  # as the dispatcher's `finally` runs it: nothing after `prefilled`
+    again = placer.placed(cand("a"), len(prompt), hashes(prompt))
+    assert again.expected_blocks == 4
+    # The engine computes the last token whatever it holds: 64 tokens, 3 whole blocks before the last one.
+    assert again.expected_hit_tokens(BS) == 48
+    longer = placer.placed(cand("a"), len(prompt) + 5, hashes(prompt + [1] * 5))
+    assert longer.expected_hit_tokens(BS) == 64

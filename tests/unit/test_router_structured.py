@@ -110,3 +110,39 @@ def test_forced_outputs_are_the_calls_json() -> None:
     assert calls[0].name == "get_time" and calls[0].arguments == "{}"
     assert parse(use("required"), '{"name": "get_ti') == ('{"name": "get_ti', [])  # cut off by max_tokens: text
     assert parse(use("none"), '{"name": "get_time", "arguments": {}}')[1] == []
+
+
+def _mistral_tokenizer(tmp_path: Any, special: bool) -> Any:
+    """The tiny model's tokenizer with [TOOL_CALLS] added, as Mistral's have it (special) or as plain text."""
+    from tokenizers import AddedToken
+
+    from tandem.worker.model.tiny import build_tokenizer, write_tiny_model
+    from tandem.worker.model.tokenizer import Tokenizer
+
+    path = write_tiny_model(tmp_path / "m")
+    hf = build_tokenizer()
+    hf.add_tokens([AddedToken("[TOOL_CALLS]", special=special)])
+    hf.save(str(path / "tokenizer.json"))
+    return Tokenizer(path)
+
+
+@pytest.mark.parametrize("special", [True, False])
+def test_auto_finds_mistrals_marker_in_the_token_ids(tmp_path: Any, special: bool) -> None:
+    from tandem.worker.router.tokens import TextAssembler
+    from tandem.worker.router.tool_calls import parse_output
+
+    tok = _mistral_tokenizer(tmp_path, special)
+    mark = tok.backend.token_to_id("[TOOL_CALLS]")
+    prompt = tok.encode("Weather?")
+    call = '[{"name": "get_weather", "arguments": {"city": "Oslo"}}]'
+    ids = [mark, *tok.encode(call, add_special_tokens=False)]
+    asm = TextAssembler(tok, prompt, [])
+    asm.push(ids, None, "stop")
+    assert asm.text == (call if special else "[TOOL_CALLS]" + call)  # the router's text, as the client gets it
+    content, calls = parse_output(use(), asm.text, tok, prompt, asm.token_ids)
+    assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    # Cut by a stop string before the marker: the marker is not put back, and the text stays as it was.
+    text = tok.decode(tok.encode("Hi", add_special_tokens=False))
+    cut = [*tok.encode("Hi", add_special_tokens=False), *ids]
+    assert parse_output(use(), text[:1], tok, prompt, cut) == (text[:1], [])
+    assert parse_output(use("none"), call, tok, prompt, ids) == (call, [])

@@ -50,10 +50,9 @@ class LLMEngine:
         self.model_config = model_config
         self.model_name = model_config.name
         self.tokenizer = Tokenizer(cfg.model_dir, extra_eos_ids=model_config.eos_token_ids)
-        # Structured outputs: nothing of xgrammar is loaded until a request brings a grammar.
-        self.grammars = Grammars(self.tokenizer.encoded_vocab(), self.tokenizer.backend.to_str(),
-                                 model_config.vocab_size, sorted(self.tokenizer.eos_token_ids),
-                                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False))
+        # Structured outputs: nothing of xgrammar is loaded, and its vocabulary table not built, until a
+        # request brings a grammar.
+        self.grammars = Grammars(self.tokenizer, model_config.vocab_size, sorted(self.tokenizer.eos_token_ids))
         report("config", 1.0)
         share_of_memory = cfg.memory_utilization is not None  # then the weights count against the KV budget
         free_before_load = free_memory_bytes(self.device) if share_of_memory else 0

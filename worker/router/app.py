@@ -54,7 +54,7 @@ from tandem.worker.router.responses import Shape, full_response, merge_choices, 
 from tandem.worker.router.structured import ToolUse
 from tandem.worker.router.telemetry import RouterTelemetry
 from tandem.worker.router.tokens import Delta, TextAssembler, chars_per_token_bound, encode, fetch_tokenizer
-from tandem.worker.router.tool_calls import chat_message, parse
+from tandem.worker.router.tool_calls import chat_message, parse_output
 from tandem.worker.router.workers import WorkerRegistry
 from tandem.worker.server.control_auth import RefusalLog, presented_token, refusal
 from tandem.worker.server.control_token import ControlTokens
@@ -242,6 +242,7 @@ def create_app(cfg: RouterConfig) -> FastAPI:
         state.learn_model()
         state.telemetry.set(m.ROUTER_ACTIVE_REQUESTS, state.admission.running)
         state.telemetry.set(m.ROUTER_QUEUED_REQUESTS, state.admission.queued)
+        state.telemetry.initialise_workers(w.url for w in state.registry.workers.values() if w.role == "prefill")
         return Response(state.telemetry.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
@@ -407,7 +408,7 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
     timer = _Timer(state.telemetry, arrival, len(prompt))
     asm = TextAssembler(tok, prompt, sampling.stop)
     if use is not None and use.parsed:  # the whole output decides whether it is a call: collected first
-        body = _tool_calls_body(use, await _collect_body(request, events, asm, shape, timer, len(prompt)))
+        body = _tool_calls_body(use, await _collect_body(request, events, asm, shape, timer, len(prompt)), asm)
         if not req.stream:
             return JSONResponse(body)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -474,10 +475,11 @@ async def _read_body(request: Request, limit: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _tool_calls_body(use: ToolUse, body: dict[str, Any]) -> dict[str, Any]:
-    """A chat answer with its output read for tool calls (tool_calls.parse): then finish_reason tool_calls."""
+def _tool_calls_body(use: ToolUse, body: dict[str, Any], asm: TextAssembler) -> dict[str, Any]:
+    """A chat answer with its output read for tool calls (tool_calls.parse_output: the text, and its token
+    ids for markers that are special tokens): then finish_reason tool_calls."""
     choice = body["choices"][0]
-    content, calls = parse(use, choice["message"]["content"])
+    content, calls = parse_output(use, choice["message"]["content"], asm.tokenizer, asm.prompt_ids, asm.token_ids)
     choice["message"] = chat_message(content, calls)
     if calls and choice["finish_reason"] == "stop":
         choice["finish_reason"] = "tool_calls"

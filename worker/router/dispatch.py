@@ -6,7 +6,9 @@ turns them into text. Guarantees, in order of importance:
   replaced by replaying prompt + tokens so far on another one (token-level migration; identical
   under greedy sampling);
 - never a hang: every hop has a timeout and the whole request a deadline;
-- a prefill worker that is draining or gone is skipped before anything reached the client.
+- a prefill worker that is draining or gone is skipped before anything reached the client;
+- never a field dropped: a request goes only to workers whose control API honours every sampling field
+  it sets (protocol.SAMPLING_FIELDS_SINCE), so a worker older than a feature, mid-upgrade, never gets it.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from tandem.worker.server.protocol import (
     ReserveResponse,
     Sampling,
     StreamChunk,
+    required_api_version,
 )
 
 log = logging.getLogger(__name__)
@@ -110,9 +113,10 @@ class Dispatcher:
         restarts = again = 0
         first: tuple[TokenEvent, WorkerState, bool] | None = None
         rid = request_id  # a retry on another decode worker gets its own id (see below)
+        need = required_api_version(sampling)  # every worker of this request honours all it asks for
         while True:
-            decode = await self._wait_for(lambda: self._pick_decode(lost), deadline)
-            if decode.role != "decode" or not self.registry.usable(("prefill",)):
+            decode = await self._wait_for(lambda: self._pick_decode(lost, need[0]), deadline, need)
+            if decode.role != "decode" or not self._usable(("prefill",), need[0]):
                 break
             try:
                 first = await self._disaggregated_start(rid, prompt, sampling, decode, deadline)
@@ -171,7 +175,7 @@ class Dispatcher:
                 if migrations > MAX_MIGRATIONS:
                     log.error("request %s failed on %d workers; last: %s", request_id, migrations, exc)
                     raise errors.internal(f"the request failed on {migrations} workers in a row; retry later") from None
-                decode = await self._wait_for(lambda: self._pick_decode(lost), deadline)
+                decode = await self._wait_for(lambda: self._pick_decode(lost, need[0]), deadline, need)
                 log.warning("request %s: %s; migrating to %s after %d tokens", request_id, exc, decode.url,
                             len(generated))
                 self.telemetry.inc(m.MIGRATIONS)
@@ -223,15 +227,20 @@ class Dispatcher:
         return tokens
 
     # --- placement ---
-    def _pick_decode(self, lost: Mapping[str, float] | set[str]) -> WorkerState | None:
+    def _usable(self, roles: tuple[str, ...], need: int) -> list[WorkerState]:
+        """The registry's usable workers of `roles` whose control API is version `need` or later."""
+        return [w for w in self.registry.usable(roles) if w.info is not None and w.info.api_version >= need]
+
+    def _pick_decode(self, lost: Mapping[str, float] | set[str], need: int = 1) -> WorkerState | None:
         """The best usable decode worker this request has not lost. When it lost every usable one, one
         the registry has polled healthy since is tried again (`lost` maps a worker to when it was lost):
         in a rollout on busy nodes the only new decode worker can miss one reserve deadline, and the
-        request should not wait for a worker that is not coming."""
-        workers = self.registry.usable(DECODE_ROLES)
+        request should not wait for a worker that is not coming. Only workers of control API `need` or
+        later count (required_api_version)."""
+        workers = self._usable(DECODE_ROLES, need)
         # Prefer pure decode workers when a prefill pool exists; `both` workers otherwise.
         pure = [w for w in workers if w.role == "decode"]
-        pool = pure if pure and self.registry.usable(("prefill",)) else workers
+        pool = pure if pure and self._usable(("prefill",), need) else workers
         cands = [w.candidate() for w in pool]
         cand = pick_decode(cands, exclude=set(lost))
         if cand is None and isinstance(lost, Mapping):
@@ -239,7 +248,7 @@ class Dispatcher:
             cand = pick_decode(cands, exclude=set(lost) - back)
         return self.registry.workers.get(cand.url) if cand else None
 
-    async def _wait_for(self, pick: object, deadline: float) -> WorkerState:
+    async def _wait_for(self, pick: object, deadline: float, need: tuple[int, list[str]] = (1, [])) -> WorkerState:
         assert callable(pick)
         limit = min(deadline, time.monotonic() + WAIT_FOR_WORKER_S)
         while True:
@@ -249,15 +258,30 @@ class Dispatcher:
             if time.monotonic() >= deadline:
                 raise errors.timeout("the request's deadline passed while waiting for a worker")
             if time.monotonic() >= limit:
-                raise errors.unavailable("no ready worker can take this request now; retry later")
+                raise errors.unavailable(self._none_new_enough(need) or "no ready worker can take this request "
+                                         "now; retry later")
             self.registry.discover_soon()
             await self.registry.wait_for_change(min(1.0, limit - time.monotonic()))
+
+    def _none_new_enough(self, need: tuple[int, list[str]]) -> str | None:
+        """Why no worker could take a request when ready ones exist but are all older than it needs."""
+        version, fields = need
+        ready = self.registry.usable(DECODE_ROLES)
+        if version <= 1 or not ready or self._usable(DECODE_ROLES, version):
+            return None
+        have = sorted({w.info.api_version for w in ready if w.info is not None})
+        asked = ", ".join("grammar (response_format, guided_*, a required or named tool_choice)" if f == "grammar"
+                          else f for f in fields)
+        return (f"this request's {asked} needs workers of control API version {version} or later, and the ready "
+                f"workers are older (version {', '.join(map(str, have))}), which would ignore it: retry once "
+                "they are upgraded")
 
     # --- disaggregated start: reserve on decode, prefill ships KV, first token back ---
     async def _disaggregated_start(self, request_id: str, prompt: list[int], sampling: Sampling,
                                    decode: WorkerState, deadline: float
                                    ) -> tuple[TokenEvent, WorkerState, bool] | None:
-        reservation, decode = await self._reserve(request_id, len(prompt), decode, deadline)
+        need = required_api_version(sampling)[0]
+        reservation, decode = await self._reserve(request_id, len(prompt), decode, deadline, need)
         target = None
         layout_hash = decode.info.layout_hash if decode.info else ""
         if reservation is not None:
@@ -268,12 +292,12 @@ class Dispatcher:
         self.placer.retain(self.registry.workers)
         tried: set[str] = set()
         while True:
-            prefills = [w for w in self.registry.usable(("prefill",)) if w.url not in tried]
+            prefills = [w for w in self._usable(("prefill",), need) if w.url not in tried]
             cand = self.placer.choose([w.candidate() for w in prefills], layout_hash, len(prompt), self.block_size,
                                       hashes)
             if cand is None:
                 break
-            self.placer.placed(cand, len(prompt), hashes)  # now: requests right behind it see it
+            placement = self.placer.placed(cand, len(prompt), hashes)  # now: requests right behind it see it
             worker = self.registry.workers[cand.url]
             tried.add(worker.url)
             body = PrefillRequest(request_id=request_id, prompt_token_ids=prompt, sampling=sampling,
@@ -283,6 +307,8 @@ class Dispatcher:
             try:
                 call = self._post(worker, "/prefill", body, PrefillResponse, deadline)
                 resp = await (self._unless_lost(decode, call) if target is not None else call)
+                self.placer.prefilled(placement)  # its cache holds the prompt: the blocks stay in the picture
+                self.telemetry.prefilled(worker.url, len(prompt), placement.expected_hit_tokens(self.block_size))
             except (asyncio.CancelledError, errors.APIError):
                 # The caller went away or the deadline passed: nobody will claim the reservation.
                 if reservation is not None:
@@ -304,6 +330,7 @@ class Dispatcher:
                 self.registry.mark_down(worker.url, str(exc))
                 continue
             finally:
+                self.placer.failed(placement)  # not prefilled: what it claimed goes (after prefilled: nothing)
                 worker.active -= 1
                 worker.prefill_ended(len(prompt))
             kv_ready = bool(resp.kv_sent and reservation is not None)
@@ -352,7 +379,7 @@ class Dispatcher:
         return "length" if sampling.max_tokens <= 1 else None
 
     async def _reserve(self, request_id: str, num_tokens: int, decode: WorkerState,
-                       deadline: float) -> tuple[ReserveResponse | None, WorkerState]:
+                       deadline: float, need: int = 1) -> tuple[ReserveResponse | None, WorkerState]:
         """Reserve KV blocks on the chosen decode worker, or the next one with room. Without room
         anywhere: no reservation, and the first decode worker that answered. Raises WorkerLost when
         none answered (frozen, overloaded or gone: each is marked down)."""
@@ -375,7 +402,7 @@ class Dispatcher:
                 raise
             except WorkerLost as exc:
                 self.registry.mark_down(worker.url, str(exc))
-            nxt = self._pick_decode(tried)
+            nxt = self._pick_decode(tried, need)
             worker = nxt if nxt is not None and nxt.role == "decode" else None
         if answered is None:
             raise WorkerLost(f"no decode worker answered /kv/reserve within {RESERVE_TIMEOUT_S:g}s")

@@ -12,6 +12,11 @@ whose recent share of prompt tokens (decayed per placement) would pass `balance`
 left out, unless every worker would. The older policies stay for comparison (`--placement`):
 `first-block` (affinity keyed on the prompt's first block, within `AFFINITY_SLACK_TOKENS` of the
 shortest queue), `least-loaded` (shortest queue) and `round-robin`.
+
+Whatever the policy, `placed` returns a `Placement`: the prompt's blocks as a claim on the chosen
+worker's picture and the prefix the picture expected it to hold. The dispatcher settles it when the
+prefill answers (`prefilled`: the blocks stay, the expected hit is counted) or not (`failed`: the
+blocks it added go, so a refused or abandoned prefill leaves no cache in the picture).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tandem.worker.kv.prefix_hash import BlockHash
-from tandem.worker.router.prefix_index import PrefixIndex
+from tandem.worker.router.prefix_index import Claim, PrefixIndex
 
 AFFINITY_SLACK_TOKENS = 2048
 AFFINITY_ENTRIES = 4096
@@ -43,6 +48,23 @@ class Candidate:
     active: int = 0  # requests the router has in flight there
     cache_blocks: int = 0  # the worker's KV pool, in blocks (bounds what its prefix cache can hold)
     cache_queries: int = 0  # its cumulative prefix-cache lookups: a drop means it restarted, cache empty
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One prompt sent to one prefill worker, until its prefill answers."""
+
+    url: str
+    num_tokens: int
+    expected_blocks: int  # leading blocks of the prompt the router's picture said that worker held
+    claim: Claim
+
+    def expected_hit_tokens(self, block_size: int) -> int:
+        """The prompt tokens the worker's prefix cache should serve, if the picture is right: as the engine
+        looks up (kv/manager.py lookup_prefix), whole blocks, and never the last token (its logits are
+        computed), so this compares one to one with the worker's tandem_prefix_cache_hits_total."""
+        usable = max(0, self.num_tokens - 1) // block_size if block_size > 0 else 0
+        return min(self.expected_blocks, usable) * block_size
 
 
 def pick_decode(cands: list[Candidate], exclude: set[str] | frozenset[str] = frozenset(),
@@ -144,15 +166,27 @@ class PrefillPlacer:
         overlap = self.index.overlap(hashes, [c.url for c in pool])
         return pick_by_prefix(pool, overlap, self.recent, num_tokens, block_size, self.balance)
 
-    def placed(self, cand: Candidate, num_tokens: int, hashes: Sequence[BlockHash]) -> None:
-        """The prompt went to `cand`: its cache will hold the prompt's blocks, and its recent load grows."""
+    def placed(self, cand: Candidate, num_tokens: int, hashes: Sequence[BlockHash]) -> Placement:
+        """The prompt went to `cand`: its cache will hold the prompt's blocks (claimed until `prefilled` or
+        `failed`), and its recent load grows."""
         self.affinity.put(hashes[0] if hashes else None, cand.url)
-        self.index.record(cand.url, hashes, cand.cache_blocks or None)
+        expected = self.index.overlap(hashes, [cand.url])[cand.url]
+        claim = self.index.claim(cand.url, hashes, cand.cache_blocks or None)
         workers = max(1, len(self.recent | {cand.url: 0.0}))
         decay = 0.5 ** (1.0 / (LOAD_HALF_LIFE_PER_WORKER * workers))
         for url in self.recent:
             self.recent[url] *= decay
         self.recent[cand.url] = self.recent.get(cand.url, 0.0) + num_tokens
+        return Placement(cand.url, num_tokens, expected, claim)
+
+    def prefilled(self, placement: Placement) -> None:
+        """Its prefill answered: the worker's cache holds the prompt's blocks."""
+        self.index.confirm(placement.claim)
+
+    def failed(self, placement: Placement) -> None:
+        """Its prefill failed, was refused or given up: the blocks only it put in the picture go. Does
+        nothing after `prefilled`, so it can run in a `finally`."""
+        self.index.release(placement.claim)
 
     def holder(self, hashes: Sequence[BlockHash]) -> str | None:
         """The worker the index says holds the longest prefix of these blocks (None: none holds any)."""

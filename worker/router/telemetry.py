@@ -7,12 +7,14 @@ with model="" (or a placeholder) would stay on /metrics beside the real one for 
 process, and dashboards select on `model`. So until the name is known there is no registry at
 all: /metrics has no tandem series, and the few counts that happen are kept here and added to
 the real series the moment the name is learned. Every series is exported at 0 from then on, so
-PromQL's rate() over them works before their first event.
+PromQL's rate() over them works before their first event; the per-prefill-worker series (label
+`worker`) from the first scrape after the router learned of that worker.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from tandem.worker import metrics as m
 from tandem.worker.server.telemetry import Telemetry
@@ -20,7 +22,8 @@ from tandem.worker.server.telemetry import Telemetry
 ROUTER_METRICS = (m.TTFT, m.ITL, m.E2E, m.PROMPT_TOKENS, m.GENERATION_TOKENS, m.REQUESTS, m.MIGRATIONS,
                   m.CONTROL_AUTH_FAILURES,
                   m.ROUTER_AUTH_FAILURES, m.ROUTER_OVERLOADED, m.ROUTER_ACTIVE_REQUESTS, m.ROUTER_QUEUED_REQUESTS,
-                  m.ROUTER_CANARY_PROBES)
+                  m.ROUTER_CANARY_PROBES, m.ROUTER_PREFILL_PROMPT_TOKENS, m.ROUTER_PREFIX_EXPECTED_HITS)
+PER_WORKER = (m.ROUTER_PREFILL_PROMPT_TOKENS, m.ROUTER_PREFIX_EXPECTED_HITS)  # label `worker`: a prefill worker
 # tandem_requests_total reasons on the router: the finish reason of a request that produced tokens,
 # or `error` for every request that did not finish (refused with a 4xx/5xx, deadline, lost worker).
 FINISH_REASONS = ("stop", "length", "error")
@@ -70,6 +73,20 @@ class RouterTelemetry:
         # Latencies exist only for requests that passed the model check, which binds the name first.
         if self._t is not None:
             self._t.observe(d, value, **extra)
+
+    def prefilled(self, worker: str, prompt_tokens: int, expected_hit_tokens: int) -> None:
+        """A prefill this router placed on `worker` answered; the router expected `expected_hit_tokens` of
+        its `prompt_tokens` in that worker's prefix cache (placement.Placement.expected_hit_tokens)."""
+        self.initialise_workers([worker])  # both series, even while the expected hits are 0
+        self.inc(m.ROUTER_PREFILL_PROMPT_TOKENS, prompt_tokens, worker=worker)
+        self.inc(m.ROUTER_PREFIX_EXPECTED_HITS, expected_hit_tokens, worker=worker)
+
+    def initialise_workers(self, urls: Iterable[str]) -> None:
+        """Export the per-worker series of these prefill workers, at 0 until their first prefill."""
+        if self._t is not None:
+            for url in urls:
+                for d in PER_WORKER:
+                    self._t.initialise(d, worker=url)
 
     def render(self) -> bytes:
         return self._t.render() if self._t is not None else b""

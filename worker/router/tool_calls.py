@@ -8,6 +8,9 @@ supported families' chat templates teach it:
   or several separated by `;`;
 - Mistral: `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}`.
 Only calls naming one of the request's tools count; anything else stays text.
+
+The router's text skips special tokens, and some tokenizers have these markers as special tokens
+(Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`): `parse_output` puts them back from the token ids.
 """
 
 from __future__ import annotations
@@ -16,13 +19,17 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandem.worker.router.structured import ToolUse
+
+if TYPE_CHECKING:
+    from tandem.worker.model.tokenizer import Tokenizer
 
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 MISTRAL_MARK = "[TOOL_CALLS]"
 LLAMA_PYTHON_TAG = "<|python_tag|>"
+MARKERS = (MISTRAL_MARK, LLAMA_PYTHON_TAG, "<tool_call>", "</tool_call>")
 
 
 @dataclass
@@ -72,6 +79,43 @@ def parse(use: ToolUse, text: str) -> tuple[str | None, list[ToolCall]]:
     if use.choice != "auto":
         return text, []
     return _parse_auto(text, names)
+
+
+def parse_output(use: ToolUse, text: str, tok: Tokenizer, prompt_ids: list[int],
+                 token_ids: list[int]) -> tuple[str | None, list[ToolCall]]:
+    """`parse` of a generated output: `text` as the client gets it (special tokens skipped, cut at a stop
+    string), `token_ids` the tokens it came from. With `auto`, the format markers the tokenizer has as
+    special tokens are put back where the model wrote them first: Mistral's tokenizers have
+    `[TOOL_CALLS]` as one, and without it a Mistral call reads as a bare JSON list. Without calls the
+    content is `text` as it was."""
+    if use.choice != "auto":
+        return parse(use, text)
+    content, calls = parse(use, with_markers(tok, prompt_ids, token_ids, text))
+    return (content, calls) if calls else (text, [])
+
+
+def with_markers(tok: Tokenizer, prompt_ids: list[int], token_ids: list[int], text: str) -> str:
+    """`text` with each marker of MARKERS that decoding skips (a special token of this tokenizer) put in
+    again at the place its token had. The places come from decoding the tokens again the way the router's
+    TextAssembler did (the same detokenizer after the same prompt), so they are the text's own offsets; a
+    marker past the end of `text` (cut off by a stop string) stays out."""
+    skipped: dict[int, str] = {}
+    for mark in MARKERS:
+        token_id = tok.backend.token_to_id(mark)
+        if token_id is not None and tok.decode([token_id]) != mark:
+            skipped[token_id] = mark
+    if not any(t in skipped for t in token_ids):
+        return text
+    detok = tok.new_detokenizer(prompt_ids)
+    at, out, done = 0, [], 0
+    for token_id in token_ids:
+        if token_id in skipped:
+            if at > len(text):
+                break
+            out += [text[done:at], skipped[token_id]]
+            done = at
+        at += len(detok.push(token_id))
+    return "".join([*out, text[done:]])
 
 
 def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]:

@@ -14,8 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-# 2: streams carry heartbeats (blank lines); 3: a chunk's error may be the request's own (request_error)
-CONTROL_API_VERSION = 3
+# 2: streams carry heartbeats (blank lines); 3: a chunk's error may be the request's own (request_error);
+# 4: Sampling's grammar, penalties, logit_bias, min_tokens and top_logprobs (SAMPLING_FIELDS_SINCE)
+CONTROL_API_VERSION = 4
 STREAM_HEARTBEAT_S = 1.0
 
 # Ranges every caller of a worker is held to, the router included (it checks the same ones first, so a
@@ -79,6 +80,33 @@ class Sampling(_Wire):
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     grammar: Grammar | None = None  # structured outputs and forced tool calls
+
+
+# Since which control API version a worker honours each Sampling field added after version 3. A worker
+# ignores a field it does not know (pydantic's default, kept: see below), so a worker of version 3 would
+# take a request with a grammar and answer unconstrained output, or drop a penalty, without a word. The
+# router therefore sends a request that sets one of these (a value other than the default) only to workers
+# whose /info reports at least that version (router/dispatch.py), and waits for one (503 after 10 s) when
+# none does. Every field added to Sampling from now on goes in here with the version that brought it
+# (tests/unit/test_protocol_versions.py fails otherwise).
+#
+# Why a worker does not refuse unknown fields instead (extra="forbid"): it would not help in the roll that
+# matters now (the version 3 workers already out there ignore them; only a router can keep requests from
+# them), and later it would break the other half of a roll: a router newer than a worker sends every field
+# of its Sampling, set or not, so every request to the older worker would be a 400, which the router
+# passes to the client as the request's own fault, without trying another worker.
+SAMPLING_FIELDS_SINCE: dict[str, int] = {
+    "grammar": 4, "top_logprobs": 4, "presence_penalty": 4, "frequency_penalty": 4, "min_tokens": 4,
+    "repetition_penalty": 4, "logit_bias": 4,
+}
+
+
+def required_api_version(sampling: Sampling) -> tuple[int, list[str]]:
+    """The oldest control API version that honours every field this sampling sets (1: any worker), and
+    those fields (the ones that need more than version 1)."""
+    fields = [name for name in SAMPLING_FIELDS_SINCE
+              if getattr(sampling, name) != Sampling.model_fields[name].get_default(call_default_factory=True)]
+    return max((SAMPLING_FIELDS_SINCE[name] for name in fields), default=1), fields
 
 
 class GenerateRequest(_Wire):
