@@ -182,13 +182,19 @@ def overview_rows() -> list[RowSpec]:
         ]),
         RowSpec("Prefix cache", [
             PanelSpec("Prefix-cache hit rate", "Share of prompt tokens found in the prefix cache, per pool "
-                      "and per worker (the router's prefix placement is what keeps it high on every worker).",
+                      "and per worker (the router's prefix placement is what keeps it high on every worker), "
+                      "and what the router expected each worker to serve (its picture of their caches).",
                       "percentunit", [
                           Query(f"{rate_sum(m.PREFIX_CACHE_HITS, by_pool, sel)}\n/\n"
                                 f"{rate_sum(m.PREFIX_CACHE_QUERIES, by_pool, sel)}", "{{pool}}"),
                           Query(f"{rate_sum(m.PREFIX_CACHE_HITS, [m.LABEL_POOL, 'instance'], sel)}\n/\n"
                                 f"{rate_sum(m.PREFIX_CACHE_QUERIES, [m.LABEL_POOL, 'instance'], sel)}",
                                 "{{pool}} {{instance}}"),
+                          # What the router expected each worker's cache to serve, on the worker's instance
+                          # label: far above the worker's own line, the router's picture is wrong.
+                          Query(f"label_replace(\n{rate_sum(m.ROUTER_PREFIX_EXPECTED_HITS, ['worker'], sel)}\n/\n"
+                                f"{rate_sum(m.ROUTER_PREFILL_PROMPT_TOKENS, ['worker'], sel)},\n"
+                                '"instance", "$1", "worker", "https?://(.+)")', "router expects {{instance}}"),
                       ], soft_max=1.0),
             PanelSpec("Prompt tokens per worker", "Prompt tokens prefilled per second by each worker: how evenly "
                       "the router's placement spreads the prompts (--placement-balance bounds max/mean).",
