@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,7 +151,8 @@ def _download_lock(model: HubModel, log: Callable[[str], None]) -> Iterator[None
         handle = (folder / (model.repo.replace("/", "--") + ".lock")).open("a+")
     except OSError as exc:
         raise HubError(f"cannot write to the Hub cache {hub_cache()} ({exc.strerror}): make it writable by this "
-                       "user, or set HF_HUB_CACHE to a folder that is") from exc
+                       f"user (uid {os.getuid()}, gid {os.getgid()}), or set HF_HUB_CACHE to a folder that is"
+                       ) from exc
     with handle:
         try:
             fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
