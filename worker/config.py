@@ -33,6 +33,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_model_len: int | None = None  # None: the model's own limit
     seed: int = 0
+    # Tensor parallelism: ranks (processes) of one engine, started by engine.tp_group.launch_engine, and
+    # how long a collective may wait for a rank before the engine fails naming it.
+    tensor_parallel_size: int = 1
+    tp_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         if not self.model_dir:
@@ -61,3 +65,7 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name} must be positive, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        if self.tensor_parallel_size <= 0:
+            raise ValueError(f"EngineConfig.tensor_parallel_size must be positive, got {self.tensor_parallel_size}")
+        if not self.tp_timeout_s > 0:
+            raise ValueError(f"EngineConfig.tp_timeout_s must be positive, got {self.tp_timeout_s}")

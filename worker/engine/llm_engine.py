@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,6 +20,7 @@ from ..kv.layout import KVLayout
 from ..kv.manager import KVCacheManager, blocks_for
 from ..model.config import ModelConfig
 from ..model.loader import TORCH_DTYPES, load_model
+from ..model.tensor_parallel import TensorParallel
 from ..model.tokenizer import Tokenizer
 from .detokenizer import OutputText
 from .grammar import JSON_KINDS, Grammars, mask_logits
@@ -31,16 +33,28 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
 
+if TYPE_CHECKING:
+    from .tp_group import TPGroup
+
 log = logging.getLogger(__name__)
 
 LayerCallback = Callable[[int, list[LayerWrite]], None]
 
 
 class LLMEngine:
-    """Not thread-safe: call every method from one thread (the worker server's engine loop)."""
+    """Not thread-safe: call every method from one thread (the worker server's engine loop).
 
-    def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None) -> None:
+    Tensor parallel: `tp_group.launch_engine` builds one per rank (`tp`); rank 0's is the engine to use,
+    the others run the steps it publishes. `close()` stops them."""
+
+    def __init__(self, cfg: EngineConfig, progress: Callable[[str, float], None] | None = None,
+                 tp: TPGroup | None = None) -> None:
+        if cfg.tensor_parallel_size != (tp.size if tp is not None else 1):
+            raise ValueError(f"tensor_parallel_size {cfg.tensor_parallel_size}: start the engine with "
+                             f"tandem.worker.engine.tp_group.launch_engine")
         self.config = cfg
+        self.tp = tp
+        shard = tp.shard if tp is not None else TensorParallel()
         self.device = torch.device(cfg.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {cfg.device!r} requested but CUDA is not available here")
@@ -56,16 +70,19 @@ class LLMEngine:
         report("config", 1.0)
         share_of_memory = cfg.memory_utilization is not None  # then the weights count against the KV budget
         free_before_load = free_memory_bytes(self.device) if share_of_memory else 0
-        self.model = load_model(cfg.model_dir, cfg.dtype, cfg.device, progress=report)
+        self.model = load_model(cfg.model_dir, cfg.dtype, cfg.device, progress=report, tp=shard)
         weight_bytes = _weight_bytes(self.model) if share_of_memory else 0
         self.kv_layout = KVLayout(model=self.model_name, dtype=cfg.dtype, block_size=cfg.block_size,
-                                  num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads,
-                                  head_dim=model_config.head_dim,
+                                  num_layers=model_config.num_layers,
+                                  num_kv_heads=len(shard.kv_heads(model_config)),  # this rank's
+                                  head_dim=model_config.head_dim, tensor_parallel=shard.size,
                                   attention=model_config.attention_signature())
         self.max_model_len = self._max_model_len(model_config)
         bytes_per_token = self.kv_layout.bytes_per_block // cfg.block_size
         budget = kv_budget_bytes(cfg, self.device, bytes_per_token, self.max_model_len, free_before_load, weight_bytes)
         num_blocks = budget // self.kv_layout.bytes_per_block
+        if tp is not None:  # the same blocks on every rank: the fewest any rank's memory holds
+            num_blocks = tp.agree_min(num_blocks)
         if num_blocks < 1:
             raise ValueError(f"KV budget of {budget} bytes holds no block ({self.kv_layout.bytes_per_block} bytes each)")
         capacity = num_blocks * cfg.block_size
@@ -77,7 +94,7 @@ class LLMEngine:
             self.max_model_len = capacity
         report("kv_cache", 0.0)
         self.kv_cache = torch.zeros(model_config.num_layers, 2, num_blocks, cfg.block_size,
-                                    model_config.num_kv_heads, model_config.head_dim,
+                                    self.kv_layout.num_kv_heads, model_config.head_dim,
                                     dtype=TORCH_DTYPES[cfg.dtype], device=self.device)
         report("kv_cache", 1.0)
         self.kv = KVCacheManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
@@ -85,7 +102,8 @@ class LLMEngine:
         if not cfg.enable_chunked_prefill:  # a whole prompt must fit in one step
             token_budget = max(token_budget, self.max_model_len)
         self.scheduler = Scheduler(self.kv, token_budget, cfg.max_num_seqs, cfg.enable_chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.kv_cache, cfg.block_size, self.device,
+                                  tp if tp is not None and tp.rank == 0 else None)
         self._requests: dict[str, Sequence] = {}  # waiting or running
         self._held: dict[str, list[int]] = {}  # prefill role: blocks kept until release_kv
         self._reserved: dict[str, list[int]] = {}  # decode role: blocks awaiting incoming KV
@@ -119,6 +137,11 @@ class LLMEngine:
             return
         self._finish(seq, "abort")
         self._pending.append(self._output(seq, [], None))
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers (nothing to do for a single-process engine)."""
+        if self.tp is not None:
+            self.tp.close()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._pending)

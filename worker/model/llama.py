@@ -6,6 +6,10 @@ maps the rest (packed q/k/v and gate/up, stacked experts). Family differences ar
 `ModelConfig`: q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Qwen3-MoE, Gemma 3), routed
 experts (`MoE`), Gemma's (1 + w) norms around attention and MLP, scaled embeddings, logit
 soft-capping and sliding-window layers with their own RoPE base (Gemma 3).
+
+Tensor parallelism (`tensor_parallel.py`): built with a `TensorParallel` of size > 1, the modules
+hold only their rank's heads and intermediate rows, and attention and the MLP/experts each end in
+one all-reduce; `checkpoint_layout` then describes the rank's part.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from torch import nn
 from .attention import AttentionMetadata, paged_attention, write_kv
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rotary, inverse_frequencies
+from .tensor_parallel import TensorParallel, row_parallel
 
 
 class RMSNorm(nn.Module):
@@ -56,15 +61,17 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.tp = tp
+        self.num_heads, self.num_kv_heads = len(tp.q_heads(cfg)), len(tp.kv_heads(cfg))  # this rank's
+        self.head_dim = cfg.head_dim
         self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         self.sliding = cfg.window_of(layer) is not None
         self.softcap = cfg.attn_logit_softcapping
         # q, k and v projections run as one GEMM; the checkpoint's separate tensors are loaded
         # into row slices of it (see CausalLM.checkpoint_layout).
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_size, self.kv_size = self.num_heads * cfg.head_dim, self.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         # Llama puts attention_bias on o_proj too; Qwen2 never does.
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and cfg.family != "qwen2")
@@ -83,22 +90,21 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
         out = paged_attention(q, k, v, kv_cache, meta, self.scale, self.sliding, self.softcap)
-        projected: torch.Tensor = self.o_proj(out.reshape(n, self.num_heads * self.head_dim))
-        return projected
+        return row_parallel(self.o_proj, out.reshape(n, self.q_size), self.tp)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.tp = tp
+        self.intermediate_size = len(tp.split(cfg.intermediate_size))  # this rank's
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * self.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out: torch.Tensor = self.down_proj(self.act(gate) * up)
-        return out
+        return row_parallel(self.down_proj, self.act(gate) * up, self.tp)
 
 
 class MoE(nn.Module):
@@ -110,15 +116,19 @@ class MoE(nn.Module):
     Batching: the (token, expert) pairs are sorted by expert, so each expert runs once, as two GEMMs
     over the contiguous run of its tokens; the weighted results are summed back per token with one
     index_add_. The Python loop is over experts (skipping idle ones), never over tokens.
+
+    Tensor parallel: each rank holds its rows of every expert's intermediate size and routes all
+    tokens itself; the weighted partial sums are all-reduced once.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
+        self.tp = tp
         self.num_experts, self.top_k, self.normalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
         # transformers weighs Mixtral's expert outputs in float32 but Qwen3-MoE's in the activation dtype;
         # the same rounding keeps bfloat16/float16 tokens as close to theirs as it can.
         self.weigh_in_float32 = cfg.family == "mixtral"
-        self.inter = cfg.moe_intermediate_size
+        self.inter = len(tp.split(cfg.moe_intermediate_size))  # this rank's
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.gate_up_proj = nn.Parameter(torch.empty(cfg.num_experts, 2 * self.inter, cfg.hidden_size))
         self.down_proj = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size, self.inter))
@@ -149,16 +159,16 @@ class MoE(nn.Module):
             weighted = (outputs * pair_weights).to(x.dtype)
         else:
             weighted = outputs * pair_weights.to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token_of_pair, weighted)
+        return self.tp.all_reduce(torch.zeros_like(x).index_add_(0, token_of_pair, weighted))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TensorParallel) -> None:
         super().__init__()
         self.input_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.self_attn = Attention(cfg, layer)
+        self.self_attn = Attention(cfg, layer, tp)
         self.post_attention_layernorm = make_norm(cfg, cfg.hidden_size)
-        self.mlp: nn.Module = MoE(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg, tp) if cfg.is_moe_layer(layer) else MLP(cfg, tp)
         # Gemma: the post-attention norm acts on the attention's output, and the MLP has its own pair.
         self.pre_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.gemma_norms else None
         self.post_feedforward_layernorm = make_norm(cfg, cfg.hidden_size) if cfg.gemma_norms else None
@@ -177,20 +187,23 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)  # replicated (tensor_parallel.py)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, tp) for i in range(cfg.num_layers))
         self.norm = make_norm(cfg, cfg.hidden_size)
 
 
 class CausalLM(nn.Module):
-    """`forward` runs one engine step: all scheduled tokens of all sequences, flattened."""
+    """`forward` runs one engine step: all scheduled tokens of all sequences, flattened.
+    `tp`: the rank's part of a tensor-parallel model (default: the whole model)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.tp = tp or TensorParallel()
+        self.tp.check(cfg)
+        self.model = DecoderModel(cfg, self.tp)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with their own base; None: every layer uses `rotary`.
@@ -206,9 +219,12 @@ class CausalLM(nn.Module):
                                                              cfg.local_rope_scaling).to(device)
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int | None, int, int]]:
-        """Hugging Face tensor name -> (our parameter, expert index or None, first row, end row) it fills."""
-        cfg = self.config
-        q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+        """Hugging Face tensor name -> (our parameter, expert index or None, first row, end row) it fills.
+        Tensor parallel: the rows of this rank's parameters; `TensorParallel.shard_of` says which part of
+        the checkpoint tensor goes there."""
+        cfg, tp = self.config, self.tp
+        q, kv = len(tp.q_heads(cfg)) * cfg.head_dim, len(tp.kv_heads(cfg)) * cfg.head_dim
+        inter = len(tp.split(cfg.intermediate_size))
         packed = {"self_attn.q_proj": ("self_attn.qkv_proj", 0, q),
                   "self_attn.k_proj": ("self_attn.qkv_proj", q, q + kv),
                   "self_attn.v_proj": ("self_attn.qkv_proj", q + kv, q + 2 * kv),
@@ -237,7 +253,7 @@ class CausalLM(nn.Module):
         """One checkpoint tensor per expert and projection, as Hugging Face ships them: Mixtral's
         block_sparse_moe.experts.E.w1/w3/w2 (gate/up/down), Qwen3-MoE's mlp.experts.E.gate_proj/up_proj/down_proj."""
         cfg = self.config
-        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        inter, hidden = len(self.tp.split(cfg.moe_intermediate_size)), cfg.hidden_size
         if cfg.family == "mixtral":
             base, names = prefix[: -len(".mlp")] + ".block_sparse_moe.experts", ("w1", "w3", "w2")
         else:

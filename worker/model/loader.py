@@ -1,4 +1,8 @@
-"""Build a `CausalLM` from a Hugging Face model folder (config.json + *.safetensors)."""
+"""Build a `CausalLM` from a Hugging Face model folder (config.json + *.safetensors).
+
+Tensor parallel (`tp` of size > 1): each rank reads only its slice of each split tensor
+(`safe_open(...).get_slice`), so no rank ever holds a full copy of a split weight.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from safetensors import safe_open
 
 from .config import ModelConfig
 from .llama import CausalLM
+from .tensor_parallel import TensorParallel
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 INDEX_FILE = "model.safetensors.index.json"
@@ -37,13 +42,14 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu",
-               progress: Progress | None = None) -> CausalLM:
+               progress: Progress | None = None, tp: TensorParallel | None = None) -> CausalLM:
     path = Path(model_dir)
     cfg = ModelConfig.from_dir(path)
     files = checkpoint_files(path)
     torch_dtype = TORCH_DTYPES[dtype]
+    tp = tp or TensorParallel()
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = CausalLM(cfg, tp)
     # Materialise empty parameters on the target device; every one is then filled from the checkpoint.
     model = model.to(torch_dtype).to_empty(device=device)  # dtype first: no float32 copy on the device
     model.init_buffers(device)
@@ -60,7 +66,16 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
                 target_name, expert, start, end = layout[name]
                 param = params[target_name] if expert is None else params[target_name][expert]
                 target = param[start:end]
-                tensor = f.get_tensor(name)
+                shard = tp.shard_of(name, cfg)
+                if shard is None:
+                    tensor = f.get_tensor(name)
+                else:  # read this rank's rows or columns only
+                    part = f.get_slice(name)
+                    shape = part.get_shape()
+                    if len(shape) <= shard.dim or shape[shard.dim] != shard.full:
+                        raise ValueError(f"{file.name}: {name} has shape {tuple(shape)}, config.json implies "
+                                         f"{shard.full} along dimension {shard.dim}")
+                    tensor = part[shard.start:shard.stop] if shard.dim == 0 else part[:, shard.start:shard.stop]
                 if tuple(tensor.shape) != tuple(target.shape):
                     raise ValueError(f"{file.name}: {name} has shape {tuple(tensor.shape)}, "
                                      f"config.json implies {tuple(target.shape)}")
