@@ -13,6 +13,9 @@ stood in for, each in one named place:
 - `hub_cache_volume`: the cache claim's storage class `shared-rwx` has no provisioner here; a PV stands in.
 - ```yaml cluster-only blocks (the NVIDIA operators' resources: no such CRDs here) and commands that need a
   running container or a registry are not run; SKIPPED_VERBS says why, and an unclassified command fails.
+  Only `kubectl` lines are run here: the page's `helm install` (and `docker`) are not. On real pods,
+  tests/e2e/test_real_node_deploy_doc.py runs the skipped `kubectl exec ... tandem doctor` and
+  `kubectl run ... tandem bench`, renders the `helm install`, and checks the pod passthrough on running pods.
 
 The drift check: the page's model, unchanged, passes the CRD's schema with strict field validation (a server-side
 dry-run apply), and the same check refuses a copy with one misspelled field, so it can fail.
@@ -42,8 +45,10 @@ ISOLATION_KEY = "test.tandem.dev/deploy-gpu-doc"
 MULTUS = "k8s.v1.cni.cncf.io/networks"
 # kubectl verbs the page uses that the test bed cannot carry out, and why; any other verb must run.
 SKIPPED_VERBS = {
-    "exec": "kwok runs no containers: nothing to exec into (tandem doctor itself: tests/transfer/test_doctor.py)",
-    "run": "kwok runs no containers: the bench pod would never execute",
+    "exec": "kwok runs no containers: nothing to exec into (run on real pods: "
+            "tests/e2e/test_real_node_deploy_doc.py::test_tandem_doctor_in_a_decode_worker)",
+    "run": "kwok runs no containers: the bench pod would never execute (run on real pods: "
+           "tests/e2e/test_real_node_deploy_doc.py::test_tandem_bench_through_the_routers_service)",
 }
 RUN_VERBS = {"get", "describe", "apply", "label", "taint", "create", "wait"}
 
