@@ -4,7 +4,9 @@ The setup is the test bed with its real node, local images, the chart (operator 
 scraping the pods), a hostPath model volume and a DisaggregatedModel with transport auto on a node
 without the RDMA resource. Run by hand, the tests start it all themselves and tear it down at the
 end; `hack/e2e.sh` without --keep runs them against its own setup (TANDEM_E2E_STATE). The files
-run in name order and share one setup: test_real_node.py reads it as set up, then
+run in name order and share one setup: test_real_node.py reads it as set up,
+test_real_node_deploy_doc.py runs docs/deploy-gpu.md's commands against it (and rolls the pools once
+with pod fields), test_real_node_hub.py adds a second model of its own in its own namespace, then
 test_real_node_lifecycle.py scales, kills, rolls and finally deletes it.
 """
 
