@@ -18,6 +18,16 @@ pytestmark = pytest.mark.integration
 Bed = Any  # tests/operator/conftest.py: Testbed
 
 
+
+def wait_ready(testbed: Any, name: str) -> dict[str, Any]:
+    """The resource, once Ready for its current generation."""
+    def ready() -> dict[str, Any] | None:
+        dm = testbed.get("dm", name)
+        ok = dm is not None and condition(dm, "Ready").get("status") == "True"
+        return dm if ok and dm["status"].get("observedGeneration") == dm["metadata"]["generation"] else None
+
+    return testbed.wait_for(f"dm/{name} Ready", ready, timeout=90)
+
 def test_hugging_face_source_reaches_the_pods(testbed: Bed, cleanup: list[str],
                                               sample: Callable[[str], dict[str, Any]]) -> None:
     ns = testbed.namespace
@@ -40,12 +50,7 @@ def test_hugging_face_source_reaches_the_pods(testbed: Bed, cleanup: list[str],
     cleanup.append(name)
     testbed.apply(body)
 
-    def ready() -> dict[str, Any] | None:
-        dm = testbed.get("dm", name)
-        ok = dm is not None and condition(dm, "Ready").get("status") == "True"
-        return dm if ok and dm["status"].get("observedGeneration") == dm["metadata"]["generation"] else None
-
-    testbed.wait_for(f"dm/{name} Ready", ready, timeout=90)
+    wait_ready(testbed, name)
     for pool in ("prefill", "decode"):
         pod = testbed.get("deployment", f"{name}-{pool}")["spec"]["template"]["spec"]
         (init,) = pod["initContainers"]
@@ -73,12 +78,7 @@ def test_host_path_cache_reaches_the_pods(testbed: Bed, cleanup: list[str],
     cleanup.append(name)
     testbed.apply(body)
 
-    def ready() -> dict[str, Any] | None:
-        dm = testbed.get("dm", name)
-        ok = dm is not None and condition(dm, "Ready").get("status") == "True"
-        return dm if ok and dm["status"].get("observedGeneration") == dm["metadata"]["generation"] else None
-
-    testbed.wait_for(f"dm/{name} Ready", ready, timeout=90)
+    wait_ready(testbed, name)
     for pool in ("prefill", "decode"):
         pods = testbed.list("pod", f"app.kubernetes.io/instance={name},app.kubernetes.io/component={pool}")
         assert pods and all(p["spec"].get("nodeName") for p in pods), [p.get("status") for p in pods]

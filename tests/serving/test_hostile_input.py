@@ -277,11 +277,10 @@ class FailingWorker:
 
         class Handler(ScriptedHandler):
             def do_GET(self) -> None:
-                self._json(worker.info() if self.path == "/info" else {"error": {"message": "no"}},
-                           200 if self.path == "/info" else 404)
+                self._info_or_404(worker.info())
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                body = self._body()
                 worker.calls[self.path] += 1
                 if self.path == "/kv/reserve":
                     self._json({"transfer_id": body["request_id"], "kv_address": "tcp://127.0.0.1:9",

@@ -35,6 +35,14 @@ class ScriptedHandler(BaseHTTPRequestHandler):
     def _json(self, data: Any, status: int = 200) -> None:
         self._send(json.dumps(data).encode(), "application/json", status)
 
+    def _info_or_404(self, info: dict[str, Any]) -> None:
+        """GET: a worker's /info, anything else a 404."""
+        self._json(info if self.path == "/info" else {"error": {"message": "no"}}, 200 if self.path == "/info" else 404)
+
+    def _body(self) -> Any:
+        """A POST's JSON body ({} when empty)."""
+        return json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+
     def _send(self, payload: bytes, ctype: str, status: int = 200) -> None:
         self.send_response(status)
         self.send_header("content-type", ctype)
@@ -74,7 +82,7 @@ class FakeWorker:
                     self._json({"error": {"message": "no"}}, 404)
 
             def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+                body = self._body()
                 worker.calls[self.path] += 1
                 if self.path == "/kv/reserve":
                     self._json({"transfer_id": body["request_id"], "kv_address": "tcp://127.0.0.1:9",

@@ -8,8 +8,9 @@ no device, see conftest.py).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 import torch
@@ -30,6 +31,18 @@ def pair(transport: str, receiver_seal: SealSecrets | None, sender_seal: SealSec
     with transport_pair(transport, src_blocks=16, dst_blocks=16, receiver_options={"seal": receiver_seal},
                         seal=sender_seal, connect_timeout_s=20) as p:
         yield p.receiver, p.sender, p.src, p.dst
+
+
+def recorded(conn: Any) -> tuple[list[list[bytes]], Callable[..., object]]:
+    """From now on, a copy of every message the connection hands zmq; and its own send, unrecorded."""
+    sent: list[list[bytes]] = []
+    original = conn.send
+
+    def send(transfer: object, parts: list[bytes], stream: int | None = None) -> object:
+        sent.append([bytes(p) for p in parts])
+        return original(transfer, parts, stream)
+    conn.send = send
+    return sent, original
 
 
 def test_token_holders_transfer_intact_blocks(transport: str) -> None:
@@ -97,10 +110,7 @@ def test_sealed_frames_carry_no_plaintext() -> None:
     """What the sender hands zmq for a sealed frame: the K and V parts are ciphertext plus a GCM tag."""
     with pair("tcp", TOKEN, TOKEN) as (receiver, sender, src, _):
         conn = sender.connect(receiver.address)  # type: ignore[attr-defined]
-        sent: list[list[bytes]] = []
-        original = conn.send
-        conn.send = lambda transfer, parts, stream=None: (sent.append([bytes(p) for p in parts]),  # type: ignore[method-assign]
-                                                          original(transfer, parts, stream))[1]
+        sent, _ = recorded(conn)
         done = DoneWaiter()
         receiver.expect("req", [1], 10.0, done)  # type: ignore[attr-defined]
         transfer = conn.begin("req", [1], 10.0)
@@ -117,10 +127,7 @@ def test_a_replayed_frame_is_refused_and_the_next_transfer_is_intact() -> None:
     nothing: its transfer fails as corrupt, naming the replay, and the session goes on."""
     with pair("tcp", TOKEN, TOKEN) as (receiver, sender, src, dst):
         conn = sender.connect(receiver.address)  # type: ignore[attr-defined]
-        sent: list[list[bytes]] = []
-        original = conn.send
-        conn.send = lambda transfer, parts, stream=None: (sent.append([bytes(p) for p in parts]),  # type: ignore[method-assign]
-                                                          original(transfer, parts, stream))[1]
+        sent, original = recorded(conn)
         done = DoneWaiter()
         receiver.expect("req", [1, 2], 10.0, done)  # type: ignore[attr-defined]
         transfer = conn.begin("req", [1, 2], 10.0)
