@@ -35,6 +35,7 @@ class Stack:
     state: dict[str, Any]
     popen: subprocess.Popen[bytes]
     log: Path
+    shared: bool = False  # used by every module (disagg, mono): stopped at the session's end, not the module's
 
     def procs(self, role: str) -> list[dict[str, Any]]:
         return [p for p in self.state["processes"] if p["role"] == role]
@@ -67,11 +68,27 @@ def tokenizer(tiny_model: Path) -> Any:
     return Tokenizer(tiny_model)
 
 
+_STARTED: list[Stack] = []  # every stack start_stack started and nobody stopped yet
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """A module's own stacks stop after its last test: kept to the session's end, every module's stacks
+    (four to six processes of ~380 MB each) added up to the machine's 24 GiB and the later tests failed."""
+    yield
+    if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", None):
+        return
+    for stack in [s for s in _STARTED if not s.shared]:
+        stack.stop()
+        _STARTED.remove(stack)
+
+
 @pytest.fixture(scope="session")
 def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Stack]]:
-    started: list[Stack] = []
+    started = _STARTED
 
-    def start(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None, model: Path | None = None) -> Stack:
+    def start(*args: str, timeout: float = 120.0, env: dict[str, str] | None = None, model: Path | None = None,
+              shared: bool = False) -> Stack:
         port = free_port()
         work = tmp_path_factory.mktemp("stack")
         state_file = work / "state.json"
@@ -87,23 +104,24 @@ def start_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> I
                 popen.kill()
                 pytest.fail(f"tandem serve {' '.join(args)} did not come up:\n{log.read_text()[-3000:]}")
             time.sleep(0.2)
-        stack = Stack(f"http://127.0.0.1:{port}", "tiny", json.loads(state_file.read_text()), popen, log)
+        stack = Stack(f"http://127.0.0.1:{port}", "tiny", json.loads(state_file.read_text()), popen, log, shared)
         started.append(stack)
         return stack
 
     yield start
-    for stack in started:
+    for stack in list(started):
         stack.stop()
+        started.remove(stack)
 
 
 @pytest.fixture(scope="session")
 def disagg(start_stack: Callable[..., Stack]) -> Stack:
-    return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1")
+    return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1", shared=True)
 
 
 @pytest.fixture(scope="session")
 def mono(start_stack: Callable[..., Stack]) -> Stack:
-    return start_stack("--mode", "monolithic", "--decode-workers", "1")
+    return start_stack("--mode", "monolithic", "--decode-workers", "1", shared=True)
 
 
 @pytest.fixture(scope="session")
