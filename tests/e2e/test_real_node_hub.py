@@ -66,8 +66,7 @@ def test_host_path_cache_downloads_once_per_node(setup: Any, tmp_path: Path) -> 
                 for pod in pods:
                     if pod["spec"].get("initContainers"):
                         logs = _fetch_logs(setup, ns, pod["metadata"]["name"])
-                        if ("cannot write to the Hub cache /models (Permission denied): make it writable by this "
-                                f"user (uid {WORKER_UID}, gid {WORKER_UID})") in logs:
+                        if "cannot write to the Hub cache /models (Permission denied)" in logs:
                             return logs
                 return None
 
