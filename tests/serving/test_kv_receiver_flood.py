@@ -5,9 +5,11 @@ address than the prefill worker's 127.0.0.1, as on a real network, so the per-pe
 - one 1 GiB message part (the issue's repro),
 - connections sending one message of endless 0-byte parts (zmq keeps ~64 bytes per 2 wire bytes
   until the last part arrives),
-- 40 handshakes from a stranger: a HELLO with the right layout hash but without the model's control token.
-  KV transfer is sealed by default, so each is refused at the handshake (auth_failed) before it holds a
-  session or anything else. (The per-peer session cap, which a token holder or anyone facing a model run
+- 40 handshakes from a stranger: a HELLO with the right layout hash but without the model's control token,
+  20 sealed with a wrong token and 20 not sealed at all. KV transfer is sealed by default, so each is
+  refused at the handshake before it holds a session or anything else: the wrong token counts as
+  auth_failed, the unsealed HELLO as version_mismatch (it is what a worker of a release before sealing
+  sends; docs/alerts.md). (The per-peer session cap, which a token holder or anyone facing a model run
   with --kv-encryption none meets, is tested in tests/transfer/test_receiver_limits.py.)
 Legitimate requests run during and after the flood: their KV must still be transferred (no fallback
 prefill) and their output must equal the output before the flood; the worker stays healthy.
@@ -160,7 +162,10 @@ def test_a_kv_port_flood_leaves_the_decode_worker_bounded_and_serving(start_stac
     attacks += [threading.Thread(target=lambda i=i: sent.__setitem__(f"parts{i}", endless_parts(port)))
                 for i in range(BOMB_CONNECTIONS)]
     auth_failures = metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="auth_failed")
-    attacks.append(threading.Thread(target=lambda: sessions.append(junk_sessions(address, layout_hash, 40, None))))
+    mismatches = metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="version_mismatch")
+    attacks.append(threading.Thread(target=lambda: sessions.append(
+        junk_sessions(address, layout_hash, 20, "not-the-models-token"))))
+    attacks.append(threading.Thread(target=lambda: sessions.append(junk_sessions(address, layout_hash, 20, None))))
     for attack in attacks:
         attack.start()
     while any(attack.is_alive() for attack in attacks):  # legitimate traffic during the flood
@@ -182,9 +187,11 @@ def test_a_kv_port_flood_leaves_the_decode_worker_bounded_and_serving(start_stac
     assert metric_value(decode["url"], "tandem_kv_transfer_bytes_total", direction="recv") > received
     assert httpx.get(f"{decode['url']}/health", timeout=5).status_code == 200
     assert growth < RSS_GROWTH_LIMIT_MIB, f"the decode worker's peak RSS grew by {growth:.0f} MiB"
-    assert sessions == [(0, 40)], f"a stranger without the control token got a session: {sessions}"
+    assert sessions == [(0, 20), (0, 20)], f"a stranger without the control token got a session: {sessions}"
     assert metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="auth_failed") \
-        >= auth_failures + 40, "the stranger's refused handshakes were not counted as auth_failed"
+        >= auth_failures + 20, "the handshakes sealed with a wrong token were not counted as auth_failed"
+    assert metric_value(decode["url"], "tandem_kv_transfer_failures_total", reason="version_mismatch") \
+        >= mismatches + 20, "the unsealed handshakes were not counted as version_mismatch"
     assert sent["oversized"] < 1 << 30, "the 1 GiB part was read to the end"
     refused = {reason: metric_value(decode["url"], "tandem_kv_receiver_refusals_total", reason=reason)
                for reason in ("bytes_in_flight", "dropped")}
