@@ -731,7 +731,7 @@ class PoolSpec(ApiModel):
     cross_field_rules = (
         CrossFieldRule(
             cel="self.gpusPerReplica == 1",
-            message="gpusPerReplica must be 1: tensor parallelism is not supported yet",
+            message="gpusPerReplica must be 1: tensor-parallel workers have no KV transfer between them yet",
             check=lambda p: p.gpus_per_replica == 1,
             field_path=".gpusPerReplica",
         ),
@@ -754,7 +754,7 @@ class PoolSpec(ApiModel):
     gpus_per_replica: int = Field(
         default=1, ge=1, le=64,
         description="GPUs per worker pod: the tensor-parallel size; part of the spec fingerprint. Only 1 is accepted "
-        "until tensor parallelism lands.",
+        "until the KV transfer between tensor-parallel workers lands (`tandem serve --mode monolithic` runs them).",
     )
     device: Literal["cuda", "cpu"] = Field(
         default="cuda",

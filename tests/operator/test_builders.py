@@ -102,8 +102,8 @@ def test_workers_run_on_the_gpus_unless_the_pool_says_cpu(pool_spec: dict[str, A
 
 
 @pytest.mark.parametrize("field", ["prefill", "decode"])
-def test_more_than_one_gpu_per_replica_is_refused_until_tensor_parallelism_lands(field: str) -> None:
-    with pytest.raises(ValueError, match="tensor parallelism is not supported yet"):
+def test_more_than_one_gpu_per_replica_is_refused_until_the_tensor_parallel_kv_transfer_lands(field: str) -> None:
+    with pytest.raises(ValueError, match="tensor-parallel workers have no KV transfer between them yet"):
         spec_of(**{field: {"gpusPerReplica": 2}})
 
 

@@ -12,6 +12,7 @@ from types import FrameType
 import click
 import httpx
 from rich.console import Console
+from rich.markup import escape  # logs and errors hold [brackets] that rich would read as markup
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from tandem.worker import faults
@@ -84,8 +85,9 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="auto: float32 on CPU; on CUDA the model's config.json dtype (bfloat16 if it says float32).")
 @click.option("--device", default="auto", show_default=True,
               help="auto (CUDA when torch sees a GPU, else cpu), cpu or cuda[:N], for every worker.")
-@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(1, 1), default=1, show_default=True,
-              help="Only 1 for now (tensor parallelism is not built yet).")
+@click.option("--tensor-parallel-size", "-tp", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="Ranks (processes, and GPUs on CUDA) of each worker; monolithic and chunked modes only for now "
+                   "(the KV transfer between tensor-parallel workers is not built yet). See docs/tensor-parallel.md.")
 @click.option("--block-size", type=int, default=16, show_default=True)
 @click.option("--max-model-len", type=int, default=None)
 @click.option("--kv-cache-bytes", type=int, default=None, help="KV cache per worker (default: the engine's).")
@@ -149,7 +151,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
                          max_num_batched_tokens=max_num_batched_tokens, seed=seed, chat_template=chat_template, log_dir=log_dir, prefill_fault=prefill_fault,
                          request_timeout=request_timeout, stall_timeout=stall_timeout, kv_keys=kv_keys,
                          api_keys=tuple(k for value in api_keys for k in value.split()), api_key_file=api_key_file,
-                         canary_interval=canary_interval, placement=placement)
+                         canary_interval=canary_interval, placement=placement, tensor_parallel=tensor_parallel_size)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     if not _port_free(host, port):
@@ -238,13 +240,13 @@ def _wait_ready(stack: LocalStack, console: Console, timeout: float, stop: _Stop
                 progress.stop()
                 for p in dead:
                     console.print(f"[red]{p.name} exited with code {p.popen.returncode if p.popen else '?'}; "
-                                  f"its log ({p.log_path}) ends with:[/red]\n{p.log_tail()}")
+                                  f"its log ({p.log_path}) ends with:[/red]\n{escape(p.log_tail())}")
                 return False
             try:
                 states = stack.poll_ready(client)
             except RuntimeError as exc:
                 progress.stop()
-                console.print(f"[red]{exc}[/red]")
+                console.print(f"[red]{escape(str(exc))}[/red]")
                 return False
             for name, (ok, frac) in states.items():
                 progress.update(tasks[name], completed=1.0 if ok else frac,
@@ -257,7 +259,7 @@ def _wait_ready(stack: LocalStack, console: Console, timeout: float, stop: _Stop
                 console.print(f"[red]not ready after {timeout:.0f}s: {', '.join(slow)}[/red]")
                 for p in stack.procs:
                     if p.name in slow:
-                        console.print(f"{p.name} log ({p.log_path}):\n{p.log_tail()}")
+                        console.print(f"{p.name} log ({p.log_path}):\n{escape(p.log_tail())}")
                 return False
             time.sleep(0.25)
 
@@ -270,7 +272,7 @@ def _watch(stack: LocalStack, console: Console, stop: _StopFlag) -> int:
                 continue
             reported.add(p.name)
             console.print(f"[yellow]{p.name} exited (code {p.popen.returncode if p.popen else '?'}); "
-                          f"log tail:[/yellow]\n{p.log_tail(8)}")
+                          f"log tail:[/yellow]\n{escape(p.log_tail(8))}")
             if p.role == "router":
                 return 1
         if all(not p.alive() for p in stack.workers):

@@ -43,7 +43,8 @@ log = logging.getLogger("tandem.worker")
                    "AES-256-GCM; curve: --kv-keys; none: plain. auto: curve with --kv-keys, else aes-gcm with a "
                    "control token, else none. Every worker of the model needs the same.")
 @click.option("--tensor-parallel", "--tensor-parallel-size", "-tp", "tensor_parallel", type=int, default=1,
-              show_default=True, help="Only 1 for now (tensor parallelism is not built yet).")
+              show_default=True, help="Ranks of this worker: one process each (one GPU each on CUDA, from --device on), "
+                                      "in one pod. --role both only for now. See docs/tensor-parallel.md.")
 @click.option("--max-model-len", type=int, default=None, help="Context limit (default: the model's).")
 @click.option("--pool", default="local", show_default=True, help="Pool label on metrics (prefill|decode|local).")
 @click.option("--layout-hash", envvar="TANDEM_LAYOUT_HASH", default=None,

@@ -143,6 +143,12 @@ class LLMEngine:
         if self.tp is not None:
             self.tp.close()
 
+    def check_health(self) -> None:
+        """Raise TensorParallelError if a tensor-parallel rank has died (cheap: the worker calls it while idle,
+        so a dead rank is found before a request needs it)."""
+        if self.tp is not None:
+            self.tp.check()
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests or self._pending)
 

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"  # one pod, one machine: the ranks are local processes
+LOOPBACK_INTERFACE = "lo"
 EXIT_COLLECTIVE = 3  # a follower whose collective failed because another rank did
 POLL_S = 0.02  # rank 0's wait for the others in the store (at start-up) checks its followers this often
 IDLE = timedelta(hours=1)  # a follower's wait for the next plan, renewed for as long as the engine idles
@@ -72,6 +74,7 @@ class TPGroup:
         self.step_index = 0
         self.failure: str | None = None
         self.closed = False
+        self.listener: socket.socket | None = None  # rank 0: the store's loopback socket
 
     @classmethod
     def start(cls, cfg: EngineConfig) -> TPGroup:
@@ -80,14 +83,17 @@ class TPGroup:
             raise RuntimeError("this process already runs a torch.distributed group (another tensor-parallel "
                                "engine?): close that one first")
         size = cfg.tensor_parallel_size
-        store = TCPStore(HOST, 0, size, is_master=True, timeout=timedelta(seconds=cfg.tp_timeout_s),
-                         wait_for_workers=False)
+        listener = _loopback_listener()
+        store = TCPStore(HOST, listener.getsockname()[1], size, is_master=True,
+                         timeout=timedelta(seconds=cfg.tp_timeout_s), wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
         ctx = mp.get_context("spawn")
         followers = [ctx.Process(target=_follower_main, args=(rank, cfg, store.port), name=f"tandem-tp-rank{rank}",
                                  daemon=True) for rank in range(1, size)]
         for p in followers:
             p.start()
         group = cls(0, size, store, cfg.tp_timeout_s, followers)
+        group.listener = listener  # the store serves on its descriptor: it must stay open
         try:
             group._init_process_group(rank_device(cfg.device, 0))
         except Exception as exc:
@@ -99,6 +105,9 @@ class TPGroup:
         # Starting a rank (a process importing torch) can take longer than a collective may: meet in the
         # store first, rank 0 watching its followers, so the process group forms at once.
         self._exchange("joined", "")
+        # The collectives' own sockets on loopback too (gloo's pairs, NCCL's bootstrap): the ranks are local.
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_INTERFACE)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_INTERFACE)
         backend = "gloo"
         if device.startswith("cuda"):
             backend = "nccl"
@@ -125,6 +134,12 @@ class TPGroup:
             yield
         except Exception as exc:
             self.fail(exc)
+
+    def check(self) -> None:
+        """Rank 0, between steps: raise TensorParallelError if the group has failed or a follower has exited."""
+        if self.failure is not None:
+            raise TensorParallelError(self.failure)
+        self._check_followers()
 
     def fail(self, exc: BaseException) -> NoReturn:
         """End the group after `exc` and raise the error that names the rank responsible."""
@@ -230,6 +245,15 @@ def launch_engine(cfg: EngineConfig, progress: Callable[[str, float], None] | No
     except BaseException:
         group.abort()
         raise
+
+
+def _loopback_listener() -> socket.socket:
+    """A listening socket on 127.0.0.1 for the store's server: given a host, TCPStore still listens on every
+    interface, and the store is unauthenticated (whoever writes a plan drives every rank)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((HOST, 0))
+    listener.listen(128)
+    return listener
 
 
 def rank_device(device: str, rank: int) -> str:

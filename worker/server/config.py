@@ -13,6 +13,7 @@ from tandem.worker.transfer.sealing import SealSecrets
 ROLES = ("prefill", "decode", "both")
 KV_ENCRYPTIONS = ("auto", "aes-gcm", "curve", "none")  # --kv-encryption
 TRANSPORTS = ("auto", "tcp", "rdma")
+MAX_TENSOR_PARALLEL = 64  # ranks of one worker (processes of one pod)
 
 
 @dataclass
@@ -79,8 +80,14 @@ class WorkerConfig:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if not self.model_dir.is_dir():
             raise ValueError(f"model folder {self.model_dir} does not exist")
-        if self.tensor_parallel != 1:
-            raise ValueError("tensor parallelism > 1 is not supported by this engine yet (--tensor-parallel 1)")
+        if not 1 <= self.tensor_parallel <= MAX_TENSOR_PARALLEL:
+            raise ValueError(f"--tensor-parallel-size must be in 1..{MAX_TENSOR_PARALLEL}, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.role != "both":
+            # Each rank holds its share of the KV heads; shipping them needs a transfer per rank pair
+            # (re-sharding by head range), which is not built.
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel} with --role {self.role}: the KV transfer "
+                             f"between tensor-parallel workers is not built yet; tensor parallelism runs with "
+                             f"--role both (tandem serve --mode monolithic or chunked)")
         faults.check(self.fault)  # a test hook: refused unless TANDEM_ENABLE_FAULTS=1
         if self.kv_keys is not None:
             try:

@@ -35,7 +35,8 @@ class Subscription:
 
 
 class EngineLoop:
-    def __init__(self, engine: Any, on_step: Callable[[list[Any], Any], None] | None = None) -> None:
+    def __init__(self, engine: Any, on_step: Callable[[list[Any], Any], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[Callable[[Any], Any], Future[Any]]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -43,6 +44,7 @@ class EngineLoop:
         self._subs: dict[str, Subscription] = {}
         self._subs_lock = threading.Lock()
         self._on_step = on_step  # (outputs, stats) after every step; used for metrics
+        self._on_fatal = on_fatal  # (message) once, when the engine can never step again; the loop then ends
         self.stats: Any = engine.stats()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.fatal_error: str | None = None
@@ -99,8 +101,17 @@ class EngineLoop:
                 break
             try:
                 busy = self.engine.has_unfinished_requests()
+                if not busy:
+                    self.engine.check_health()
                 outputs = self.engine.step() if busy else []
             except Exception as exc:  # a bug in the engine must not silently hang every client
+                if _is_fatal(exc):
+                    log.error("the engine cannot go on: %s", exc)
+                    self.fatal_error = str(exc)
+                    self._fail_everything(f"the worker's engine failed: {exc}")
+                    if self._on_fatal is not None:
+                        self._on_fatal(str(exc))
+                    break
                 log.exception("engine step failed")
                 self._fail_everything(f"engine step failed: {exc}")
                 continue
@@ -150,6 +161,13 @@ class EngineLoop:
             except Exception:
                 log.exception("abort after engine failure")
             sub.loop.call_soon_threadsafe(sub.queue.put_nowait, EngineFailure(request_id, message))
+
+
+def _is_fatal(exc: Exception) -> bool:
+    """A tensor-parallel group that failed has ended: its ranks are out of step and no later step can run."""
+    from tandem.worker.engine.tp_group import TensorParallelError
+
+    return isinstance(exc, TensorParallelError)
 
 
 @dataclass

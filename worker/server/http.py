@@ -80,6 +80,8 @@ def create_app(server: WorkerServer) -> FastAPI:
     async def health() -> Response:
         if server.load_error is not None:
             return _error(500, f"loading failed: {server.load_error}")
+        if server.fatal_error is not None:
+            return _error(500, f"the engine failed: {server.fatal_error}")
         if server.loop is not None and not server.loop.alive:
             return _error(500, "the engine thread stopped")
         return JSONResponse({"status": "ok"})

@@ -1,6 +1,9 @@
 """Runs a worker: HTTP up first (probes answer while the model loads), engine load in a thread,
 and graceful drain on SIGTERM/SIGINT: readiness goes 503, new work is refused, in-flight
 requests finish and their KV is released, then the process exits 0. A second Ctrl-C forces it.
+An engine that can never step again (a tensor-parallel rank died) ends the process with code 1, at
+once: its requests have already failed (the router migrates them), and the pod or `tandem serve`
+shows the exit.
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ class DrainingServer(uvicorn.Server):
         log.info("received %s: draining", signal.Signals(sig).name)
         self._loop.call_soon_threadsafe(self._start_drain)
 
+    def exit_now(self) -> None:
+        """From any thread: stop serving without a drain (the engine is gone; nothing in flight can finish)."""
+        self.should_exit = True
+
     def _start_drain(self) -> None:
         async def drain_then_exit() -> None:
             await self.worker.drain()
@@ -59,13 +66,14 @@ def run_worker(cfg: WorkerConfig) -> int:
     config = uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=5, timeout_keep_alive=30, lifespan="off")
     server = DrainingServer(config, worker)
+    worker.on_fatal = server.exit_now
     loader = threading.Thread(target=_load, args=(worker,), name="model-loader", daemon=True)
     loader.start()
     try:
         server.run()
     finally:
         worker.close()
-    return 1 if worker.load_error else 0
+    return 1 if worker.load_error or worker.fatal_error else 0
 
 
 def _load(worker: WorkerServer) -> None:

@@ -85,6 +85,7 @@ class StackSpec:
     api_key_file: Path | None = None  # the router's --api-key-file
     canary_interval: float | None = None  # the router's --canary-interval (None: its default)
     placement: str | None = None  # the router's --placement (None: its default)
+    tensor_parallel: int = 1  # ranks of each worker (--tensor-parallel-size); monolithic and chunked modes only
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -93,8 +94,21 @@ class StackSpec:
             raise ValueError("at least one decode worker is needed")
         if self.mode == "disaggregated" and self.prefill_workers < 1:
             raise ValueError("disaggregated mode needs at least one prefill worker")
+        if self.tensor_parallel < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {self.tensor_parallel}")
+        if self.tensor_parallel > 1 and self.mode == "disaggregated":
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel} needs --mode monolithic or chunked: the KV "
+                             f"transfer between tensor-parallel prefill and decode workers is not built yet")
         # A test hook: refused here unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
         faults.check(self.prefill_fault, "--prefill-fault")
+
+    def worker_device(self, index: int) -> str:
+        """Worker `index`'s --device: on CUDA with tensor parallelism each worker's ranks take their own GPUs
+        (worker i from GPU i * size on); otherwise every worker shares the one device."""
+        if self.tensor_parallel == 1 or not self.device.startswith("cuda"):
+            return self.device
+        first = int(self.device.partition(":")[2] or 0)
+        return f"cuda:{first + index * self.tensor_parallel}"
 
 
 class LocalStack:
@@ -119,11 +133,12 @@ class LocalStack:
     def router(self) -> Proc:
         return self.procs[-1]
 
-    def _worker(self, name: str, role: str, extra: list[str]) -> Proc:
+    def _worker(self, name: str, role: str, extra: list[str], index: int = 0) -> Proc:
         s = self.spec
         port, kv_port = free_port(), free_port()
         argv = [sys.executable, "-m", "tandem.worker.cli", "worker", "--role", role, "--model", str(s.model_dir),
-                "--model-name", s.model_name, "--dtype", s.dtype, "--device", s.device, "--block-size", str(s.block_size),
+                "--model-name", s.model_name, "--dtype", s.dtype, "--device", s.worker_device(index),
+                "--block-size", str(s.block_size),
                 "--transport", s.transport, "--host", "127.0.0.1", "--port", str(port), "--kv-port", str(kv_port),
                 "--pool", "local", "--control-token-file", str(self.control_token_file), *extra]
         if s.max_model_len:
@@ -140,6 +155,8 @@ class LocalStack:
             argv += ["--seed", str(s.seed)]
         if s.kv_keys is not None:
             argv += ["--kv-keys", str(s.kv_keys)]
+        if s.tensor_parallel > 1:
+            argv += ["--tensor-parallel-size", str(s.tensor_parallel)]
         return Proc(name, role, f"http://127.0.0.1:{port}", argv, s.log_dir / f"{name}.log", kv_port)
 
     def _plan(self) -> None:
@@ -150,7 +167,7 @@ class LocalStack:
             self.procs += [self._worker(f"decode-{i}", "decode", []) for i in range(s.decode_workers)]
         else:
             chunk = ["--chunked-prefill"] if s.mode == "chunked" else ["--no-chunked-prefill"]
-            self.procs += [self._worker(f"worker-{i}", "both", chunk) for i in range(s.decode_workers)]
+            self.procs += [self._worker(f"worker-{i}", "both", chunk, i) for i in range(s.decode_workers)]
         argv = [sys.executable, "-m", "tandem.worker.cli", "router", "--host", s.host, "--port", str(s.port),
                 "--model-name", s.model_name, "--model", str(s.model_dir), "--request-timeout", str(s.request_timeout),
                 "--stall-timeout", str(s.stall_timeout), "--control-token-file", str(self.control_token_file)]

@@ -74,6 +74,8 @@ class WorkerServer:
         self.loop: EngineLoop | None = None
         self.load_progress = 0.0
         self.load_error: str | None = None
+        self.fatal_error: str | None = None  # the engine died for good (EngineLoop's on_fatal)
+        self.on_fatal: Callable[[], None] | None = None  # run.py: shut the process down
         self.draining = False
         self.transport: str | None = None
         self.kv_address: str | None = None
@@ -106,7 +108,8 @@ class WorkerServer:
             raise
 
     def _load(self) -> None:
-        from tandem.worker.engine import EngineConfig, LLMEngine
+        from tandem.worker.engine import EngineConfig
+        from tandem.worker.engine.tp_group import launch_engine
 
         cfg = self.cfg
         ecfg = EngineConfig(
@@ -114,13 +117,15 @@ class WorkerServer:
             block_size=cfg.block_size, kv_cache_bytes=cfg.kv_cache_bytes, memory_utilization=cfg.memory_utilization,
             seed=cfg.seed, max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            enable_prefix_caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len)
+            enable_prefix_caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
+            tensor_parallel_size=cfg.tensor_parallel)
 
         def progress(stage: str, fraction: float) -> None:
             self.load_progress = max(0.0, min(1.0, fraction)) * 0.95
             log.info("loading: %s %.0f%%", stage, fraction * 100)
 
-        engine = LLMEngine(ecfg, progress=progress)
+        engine = launch_engine(ecfg, progress=progress)  # a plain LLMEngine at --tensor-parallel-size 1
+        self.engine = engine  # close() stops its tensor-parallel ranks, even if what follows fails
         if cfg.model_name:
             self.model_name = cfg.model_name
         layout_hash = engine.kv_layout.layout_hash()
@@ -128,15 +133,22 @@ class WorkerServer:
             raise ValueError(f"this worker's KV layout hash is {layout_hash}, but {cfg.layout_hash} was expected "
                              f"(--layout-hash / TANDEM_LAYOUT_HASH): the model, dtype or block size differ from "
                              f"what the deployment declares")
-        self.engine = engine
         if cfg.role != "both":
             self._start_transport(engine)
-        self.loop = EngineLoop(engine, on_step=self._on_step)
+        self.loop = EngineLoop(engine, on_step=self._on_step, on_fatal=self._on_fatal)
         self.loop.start()
         self.load_progress = 1.0
         self.telemetry.set(m.WORKER_READY, 1)
-        log.info("worker ready: model %s, role %s, layout %s, %d KV blocks", self.model_name, cfg.role,
-                 layout_hash, engine.stats().num_total_blocks)
+        log.info("worker ready: model %s, role %s, layout %s, %d KV blocks%s", self.model_name, cfg.role,
+                 layout_hash, engine.stats().num_total_blocks,
+                 f", {cfg.tensor_parallel} tensor-parallel ranks" if cfg.tensor_parallel > 1 else "")
+
+    def _on_fatal(self, message: str) -> None:
+        """The engine cannot step again (its tensor-parallel group ended): the process must exit and restart."""
+        self.fatal_error = message
+        self.telemetry.set(m.WORKER_READY, 0)
+        if self.on_fatal is not None:
+            self.on_fatal()
 
     def _start_transport(self, engine: Any) -> None:
         from tandem.worker.transfer.select import make_receiver, make_sender
@@ -194,6 +206,11 @@ class WorkerServer:
     def close(self) -> None:
         if self.loop is not None:
             self.loop.stop()
+        if self.engine is not None:
+            try:
+                self.engine.close()  # the tensor-parallel ranks stop with this process
+            except Exception:
+                log.exception("closing the engine")
         for part in (self._receiver, self._sender):
             if part is not None:
                 try:
