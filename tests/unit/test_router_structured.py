@@ -146,3 +146,54 @@ def test_auto_finds_mistrals_marker_in_the_token_ids(tmp_path: Any, special: boo
     cut = [*tok.encode("Hi", add_special_tokens=False), *ids]
     assert parse_output(use(), text[:1], tok, prompt, cut) == (text[:1], [])
     assert parse_output(use("none"), call, tok, prompt, ids) == (call, [])
+
+
+@pytest.mark.parametrize(("text", "content", "expected"), [
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', None, [("get_weather", {"city": "Oslo"})]),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Oslo"}', None, [("get_weather", {"city": "Oslo"})]),
+    ('Checking both.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}', "Checking both.",
+     [("get_weather", {"city": "Oslo"}), ("get_time", {})]),
+    ('Sure: [TOOL_CALLS][{"name": "get_time", "arguments": {}}]', "Sure:", [("get_time", {})]),  # before v11
+])
+def test_auto_reads_mistrals_v11_calls_and_the_content_before_them(text: str, content: str | None,
+                                                                    expected: list[tuple[str, Any]]) -> None:
+    got_content, calls = parse(use(), text)
+    assert got_content == content and [(c.name, json.loads(c.arguments)) for c in calls] == expected
+
+
+@pytest.mark.parametrize("text", [
+    '[TOOL_CALLS]unknown_tool[ARGS]{}',  # not a tool of the request
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Os',  # cut off by max_tokens
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time',  # the second has no arguments
+    '[TOOL_CALLS]get_weather[ARGS]["Oslo"]',  # arguments not an object
+])
+def test_a_broken_mistral_v11_call_stays_text(text: str) -> None:
+    assert parse(use(), text) == (text, [])
+
+
+def test_mistral_v11_markers_are_put_back_from_the_token_ids(tmp_path: Any) -> None:
+    """v11 tokenizers have [TOOL_CALLS], [ARGS] and [CALL_ID] as special tokens: the client's text has
+    none of them, and the call is read from the token ids."""
+    from tokenizers import AddedToken
+
+    from tandem.worker.model.tiny import build_tokenizer, write_tiny_model
+    from tandem.worker.model.tokenizer import Tokenizer
+    from tandem.worker.router.tokens import TextAssembler
+    from tandem.worker.router.tool_calls import parse_output
+
+    path = write_tiny_model(tmp_path / "m")
+    hf = build_tokenizer()
+    hf.add_tokens([AddedToken(m, special=True) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]")])
+    hf.save(str(path / "tokenizer.json"))
+    tok = Tokenizer(path)
+    mark, args, call_id = (tok.backend.token_to_id(m) for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))
+    prompt = tok.encode("Weather?")
+    plain = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    ids = [*plain("On it."), mark, *plain("get_weather"), call_id, *plain("x9Y8z7W6v"), args, *plain('{"city": "Oslo"}'),
+           mark, *plain("get_time"), args, *plain("{}")]
+    asm = TextAssembler(tok, prompt, [])
+    asm.push(ids, None, "stop")
+    assert not any(m in asm.text for m in ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"))  # none reaches the client's text
+    content, calls = parse_output(use(), asm.text, tok, prompt, asm.token_ids)
+    assert content == "On it."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]

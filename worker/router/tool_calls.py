@@ -6,11 +6,14 @@ supported families' chat templates teach it:
 - Qwen 2.5+/Hermes: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call;
 - Llama 3.x: the output is `{"name": ..., "parameters": {...}}` (after an optional `<|python_tag|>`),
   or several separated by `;`;
-- Mistral: `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}`.
+- Mistral, tokenizers before v11: `[TOOL_CALLS]` and a JSON list of `{"name": ..., "arguments": {...}}`;
+  v11 and later (Mistral Small 3.1+, Devstral, Magistral): one `[TOOL_CALLS]name[ARGS]{...}` per call,
+  optionally `[CALL_ID]id` before `[ARGS]`; text before the first `[TOOL_CALLS]` is the content.
 Only calls naming one of the request's tools count; anything else stays text.
 
 The router's text skips special tokens, and some tokenizers have these markers as special tokens
-(Mistral's `[TOOL_CALLS]`, Llama's `<|python_tag|>`): `parse_output` puts them back from the token ids.
+(Mistral's `[TOOL_CALLS]`, `[ARGS]` and `[CALL_ID]`, Llama's `<|python_tag|>`): `parse_output` puts them
+back from the token ids.
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ if TYPE_CHECKING:
 
 HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 MISTRAL_MARK = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
+MISTRAL_V11_CALL = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[CALL_ID\]\s*[A-Za-z0-9]+\s*)?\[ARGS\](.*)", re.DOTALL)
 LLAMA_PYTHON_TAG = "<|python_tag|>"
-MARKERS = (MISTRAL_MARK, LLAMA_PYTHON_TAG, "<tool_call>", "</tool_call>")
+MARKERS = (MISTRAL_MARK, MISTRAL_ARGS, MISTRAL_CALL_ID, LLAMA_PYTHON_TAG, "<tool_call>", "</tool_call>")
 
 
 @dataclass
@@ -127,14 +133,10 @@ def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]
             return rest or None, calls
         return text, []
     stripped = text.strip()
-    if stripped.startswith(MISTRAL_MARK):
-        items = _loads(stripped[len(MISTRAL_MARK):].strip())
-        items = [items] if isinstance(items, dict) else items
-        if isinstance(items, list) and items:
-            calls = [c for i in items if (c := _call(i, names)) is not None]
-            if len(calls) == len(items):
-                return None, calls
-        return text, []
+    if MISTRAL_MARK in stripped:
+        before, _, after = stripped.partition(MISTRAL_MARK)
+        mistral = _mistral_calls(after, names)
+        return (before.strip() or None, mistral) if mistral else (text, [])
     body = stripped.removeprefix(LLAMA_PYTHON_TAG).strip()
     if body.startswith("{"):
         parts = [body] if (one := _loads(body)) is not None else body.split(";")
@@ -143,6 +145,26 @@ def _parse_auto(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]
         if calls and len(calls) == len(objs):
             return None, calls
     return text, []
+
+
+def _mistral_calls(body: str, names: set[str]) -> list[ToolCall]:
+    """The calls after a first `[TOOL_CALLS]` (none unless every one parses and names a tool)."""
+    if MISTRAL_ARGS not in body:  # before v11: one JSON list (or object) of calls
+        items = _loads(body.strip())
+        items = [items] if isinstance(items, dict) else items
+        if not isinstance(items, list) or not items:
+            return []
+        calls = [c for i in items if (c := _call(i, names)) is not None]
+        return calls if len(calls) == len(items) else []
+    calls = []
+    for part in body.split(MISTRAL_MARK):  # v11: name[ARGS]{...} per call
+        match = MISTRAL_V11_CALL.fullmatch(part)
+        args = _loads(match.group(2).strip()) if match else None
+        call = _call({"name": match.group(1), "arguments": args}, names) if match and isinstance(args, dict) else None
+        if call is None:
+            return []
+        calls.append(call)
+    return calls
 
 
 def chat_message(content: str | None, calls: list[ToolCall]) -> dict[str, Any]:
