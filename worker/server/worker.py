@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import os
 import socket
 import threading
 import time
@@ -48,6 +49,7 @@ TRANSFER_METRICS = (m.KV_TRANSFER_BYTES, m.KV_TRANSFER_SECONDS, m.KV_TRANSFER_FA
 # The finish reasons tandem_requests_total counts on each role (the engine's finish_reason): a prefill
 # worker's requests end once the prompt is computed; decode and both end on a stop token or the length.
 FINISH_REASONS = {"prefill": ("prefilled",), "decode": ("stop", "length"), "both": ("stop", "length")}
+POD_IP_ENV = "POD_IP"  # set from status.podIP in the operator's worker pods
 CALLER_CHECK_S = 0.25  # how often a waiting /prefill asks whether its caller is still there
 # ...and its first look, soon after the prompt went to the engine: a close that arrived with the request
 # (a router that stopped waiting while this worker was frozen) is read only a few loop turns after it.
@@ -201,7 +203,10 @@ class WorkerServer:
             return self.cfg.kv_host
         if self.cfg.host not in ("0.0.0.0", "::", ""):
             return self.cfg.host
-        return socket.gethostbyname(socket.gethostname())
+        # In the operator's pods the downward API gives status.podIP as POD_IP (operator/builders.py). It is
+        # the address peers reach, also with hostNetwork, where the hostname is the node's and may resolve to
+        # a loopback address (a Debian /etc/hosts has 127.0.1.1 for it).
+        return os.environ.get(POD_IP_ENV) or socket.gethostbyname(socket.gethostname())
 
     def close(self) -> None:
         if self.loop is not None:
