@@ -8,6 +8,7 @@ transfer between tensor-parallel workers is not built, and the CLI says so (test
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -118,11 +119,26 @@ def test_a_dead_rank_ends_its_worker_and_the_stream_migrates(
     other = next(p for p in workers.values() if p is not proc)
     assert len(followers(other["pid"])) == 1
     assert greedy_ids(mono_tp, PROMPTS[1], 8) == hf_greedy(PROMPTS[1], 8)
+    # tandem serve starts the worker again, on the same port, with its ranks; the router takes it back.
+    limit = time.monotonic() + 60
+    while time.monotonic() < limit:
+        usable = {w["url"] for w in httpx.get(f"{mono_tp.url}/workers", headers=control_headers(), timeout=5).json()
+                  if w["usable"]}
+        if usable == set(workers):
+            break
+        time.sleep(0.5)
+    assert usable == set(workers), f"the restarted worker is not back: {usable}"
+    assert re.search(rf"restarted {proc['name']} \(pid (\d+); restart 1 in a row\)", mono_tp.log.read_text())
+    state = json.loads((mono_tp.log.parent / "state.json").read_text())  # rewritten with the new pid
+    (again,) = [p for p in state["processes"] if p["name"] == proc["name"]]
+    assert again["pid"] != proc["pid"] and again["url"] == proc["url"] and len(followers(again["pid"])) == 1
+    mono_tp.state = state  # so that the stack's stop kills the new pid too
+    assert greedy_ids(mono_tp, PROMPTS[2], 8) == hf_greedy(PROMPTS[2], 8)
 
 
 def test_an_idle_workers_dead_rank_is_found_before_a_request_needs_it(
         start_stack: Callable[..., Stack], hf_greedy: Callable[[list[int], int], list[int]]) -> None:
-    stack = start_stack("--mode", "monolithic", "--decode-workers", "2", "--tensor-parallel-size", "2")
+    stack = start_stack("--mode", "monolithic", "--decode-workers", "2", "--tensor-parallel-size", "2", "--no-restart")
     victim, other = stack.procs("both")
     rank1 = followers(victim["pid"])[0]
     os.kill(rank1, signal.SIGKILL)
@@ -136,6 +152,7 @@ def test_an_idle_workers_dead_rank_is_found_before_a_request_needs_it(
             break
         time.sleep(0.2)
     assert usable == [other["url"]]
+    assert f"{victim['name']} stays down (--no-restart)" in stack.log.read_text()
     for prompt in PROMPTS:  # no request lands on the dead worker
         assert greedy_ids(stack, prompt, 6) == hf_greedy(prompt, 6)
 

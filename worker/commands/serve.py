@@ -20,7 +20,14 @@ from tandem.worker.commands.vllm_flags import EPILOG, refuse_unsupported_vllm_fl
 from tandem.worker.hardware import DTYPE_CHOICES, Choice, choose
 from tandem.worker.model.config import FAMILIES as TINY_FAMILIES
 from tandem.worker.router.placement import PLACEMENTS
-from tandem.worker.server.supervisor import MODES, LocalStack, StackSpec
+from tandem.worker.server.supervisor import (
+    MAX_RESTARTS,
+    MODES,
+    RESTART_RESET_S,
+    LocalStack,
+    StackSpec,
+    restart_delay,
+)
 
 # Share of a GPU's free memory that the workers of one `tandem serve` take for weights plus KV
 # cache when the user sets no budget: what vLLM takes for one instance, split between the workers.
@@ -117,6 +124,10 @@ def resolve_model(model: str, family: str, console: Console) -> tuple[Path, str]
               help="Seconds between the router's output canary probes (default 60; 0: off). See `tandem router --help`.")
 @click.option("--placement", type=click.Choice(PLACEMENTS), default=None,
               help="The router's prefill placement (default prefix). See `tandem router --help`.")
+@click.option("--restart/--no-restart", "restart_workers", default=True, show_default=True,
+              help="Start a worker that fails (exits non-zero: killed, crashed, a tensor-parallel rank died) again, "
+                   f"after 1 s, backing off to 30 s; it stays down after {MAX_RESTARTS} restarts in a row. A worker "
+                   "that exits 0 (drained after a SIGTERM) stays down.")
 # A test hook (faults.py): refused unless TANDEM_ENABLE_FAULTS=1, which the workers then inherit.
 @click.option("--prefill-fault", type=click.Choice(faults.FAULTS), default=None, hidden=True)
 @refuse_unsupported_vllm_flags
@@ -127,7 +138,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
             log_dir: Path | None,
             state_file: Path | None, ready_timeout: float, request_timeout: float, stall_timeout: float,
             canary_interval: float | None, placement: str | None, prefill_fault: str | None, api_keys: tuple[str, ...],
-            api_key_file: Path | None) -> None:
+            api_key_file: Path | None, restart_workers: bool) -> None:
     """Run the whole stack here: an OpenAI-compatible API at http://HOST:PORT/v1."""
     console = Console(soft_wrap=True)
     model_dir, default_name = resolve_model(model, family, console)
@@ -176,7 +187,7 @@ def command(model: str, model_name: str | None, family: str, prefill_workers: in
             auth = " -H \"Authorization: Bearer $TANDEM_API_KEY\"" if api_keys or api_key_file else ""
             console.print(f"  try: curl {stack.url}/v1/completions -H 'content-type: application/json'{auth} "
                           f"-d '{{\"model\": \"{spec.model_name}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'")
-            code = _watch(stack, console, stop)
+            code = _watch(stack, console, stop, restart_workers, state_file)
     finally:
         console.print("stopping: router first, then workers (they finish in-flight requests)...")
         stack.stop()
@@ -264,18 +275,39 @@ def _wait_ready(stack: LocalStack, console: Console, timeout: float, stop: _Stop
             time.sleep(0.25)
 
 
-def _watch(stack: LocalStack, console: Console, stop: _StopFlag) -> int:
-    reported: set[str] = set()
+def _watch(stack: LocalStack, console: Console, stop: _StopFlag, restart: bool, state_file: Path | None) -> int:
+    """Until a stop signal: report processes that exit, start exited workers again (supervisor.restart_delay),
+    and give up (code 1) when the router exits or no worker is left running or due to restart."""
+    due: dict[str, float] = {}  # worker name -> when it restarts
+    given_up: set[str] = set()
     while stop.signal is None:
+        now = time.monotonic()
         for p in stack.dead():
-            if p.name in reported:
+            if p.name in due or p.name in given_up:
                 continue
-            reported.add(p.name)
             console.print(f"[yellow]{p.name} exited (code {p.popen.returncode if p.popen else '?'}); "
                           f"log tail:[/yellow]\n{escape(p.log_tail(8))}")
             if p.role == "router":
                 return 1
-        if all(not p.alive() for p in stack.workers):
+            ran_long = now - p.started_at >= RESTART_RESET_S
+            clean = p.popen is not None and p.popen.returncode == 0  # drained on SIGTERM: stopped on purpose
+            delay = restart_delay(0 if ran_long else p.restarts) if restart and not clean else None
+            if delay is None:
+                given_up.add(p.name)
+                why = ("--no-restart" if not restart else "it exited cleanly, as after a SIGTERM" if clean
+                       else f"it exited {p.restarts + 1} times in a row")
+                console.print(f"[red]{p.name} stays down ({why})[/red]")
+            else:
+                due[p.name] = now + delay
+                console.print(f"[yellow]restarting {p.name} in {delay:g} s[/yellow]")
+        for p in stack.workers:
+            if p.name in due and now >= due[p.name]:
+                del due[p.name]
+                stack.restart(p)
+                console.print(f"restarted {p.name} (pid {p.pid}; restart {p.restarts} in a row)")
+                if state_file is not None:
+                    stack.write_state(state_file)
+        if not due and all(not p.alive() for p in stack.workers):
             console.print("[red]every worker has exited[/red]")
             return 1
         time.sleep(0.25)

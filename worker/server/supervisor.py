@@ -30,6 +30,22 @@ from tandem.worker.server.ports import free_port
 
 MODES = ("disaggregated", "monolithic", "chunked")
 
+# A worker that fails (exits non-zero) while the stack runs is started again, as a pod's container would be
+# (one that exits 0 drained after a SIGTERM: someone stopped it on purpose): after 1 s,
+# then twice as long each time it exits again soon (up to 30 s), and not at all after MAX_RESTARTS in a
+# row; one that ran RESTART_RESET_S before it exited starts over from the first delay.
+RESTART_DELAYS_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+MAX_RESTARTS = 6
+RESTART_RESET_S = 300.0
+
+
+def restart_delay(restarts_in_a_row: int) -> float | None:
+    """Seconds to wait before the next restart of a worker that exited `restarts_in_a_row` times since it
+    last ran RESTART_RESET_S; None once it has been restarted MAX_RESTARTS times in a row (it stays down)."""
+    if restarts_in_a_row >= MAX_RESTARTS:
+        return None
+    return RESTART_DELAYS_S[min(restarts_in_a_row, len(RESTART_DELAYS_S) - 1)]
+
 
 @dataclass
 class Proc:
@@ -41,6 +57,8 @@ class Proc:
     kv_port: int | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     env: dict[str, str] = field(default_factory=dict, repr=False)  # added to the supervisor's environment
+    started_at: float = 0.0  # time.monotonic() of the last start
+    restarts: int = 0  # restarts in a row (reset when it ran RESTART_RESET_S before exiting)
 
     @property
     def pid(self) -> int | None:
@@ -185,11 +203,25 @@ class LocalStack:
         self.procs.append(Proc("router", "router", self.url, argv, s.log_dir / "router.log", env=env))
 
     def start(self) -> None:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         for p in self.procs:
-            with p.log_path.open("wb") as log:
-                p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                           env={**env, **p.env}, start_new_session=True)
+            self._launch(p, "wb")
+
+    def _launch(self, p: Proc, mode: str) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **p.env}
+        with p.log_path.open(mode) as log:
+            p.popen = subprocess.Popen(p.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                       env=env, start_new_session=True)
+        p.started_at = time.monotonic()
+
+    def restart(self, p: Proc) -> None:
+        """Start an exited worker again, on the same ports (the router finds it there); its log is appended to."""
+        assert p.role != "router" and not p.alive()
+        with p.log_path.open("ab") as log:
+            log.write(f"\n--- restarted by tandem serve (restart {p.restarts + 1} in a row) ---\n".encode())
+        if time.monotonic() - p.started_at >= RESTART_RESET_S:
+            p.restarts = 0
+        p.restarts += 1
+        self._launch(p, "ab")
 
     def poll_ready(self, client: httpx.Client) -> dict[str, tuple[bool, float]]:
         """name -> (ready, load progress 0..1). Raises RuntimeError when a worker reports a failed load."""
