@@ -1,5 +1,5 @@
-"""The pod fields the kwok tests can only see in the spec, on running pods (issue 21): hostNetwork, a
-RuntimeClass and imagePullSecrets on a pool, and the router's own `pod` passthrough.
+"""The pod fields the kwok tests can only see in the spec, on running pods (issue 21): hostNetwork, hostIPC,
+a RuntimeClass and imagePullSecrets on a pool, and the router's own `pod` passthrough.
 
 A model of its own in a namespace of its own (PodSecurity `privileged`: baseline and restricted refuse
 hostNetwork), beside the setup's (tests/e2e/conftest.py), removed at the end. Its weights come the way
@@ -8,6 +8,7 @@ node IP, into a node-local cache prepared writable for the workers' uid.
 - The decode pool runs with hostNetwork: its pod's IP is the node's, it listens on the node's ports 8000 and
   5555 (so prefill stays on the pod network: one node, and two hostNetwork pools would claim the same ports),
   and the prefill pool ships KV to it there.
+- The prefill pool runs with hostIPC: its IPC namespace is the node's.
 - The decode pool and the router name a RuntimeClass (handler `runc`, the bed's containerd runtime) and an
   image pull secret (unused by the kubelet: the images are loaded and imagePullPolicy is Never, which is
   what checks that a named secret does not get in the way).
@@ -45,6 +46,7 @@ PULL_SECRET = "tandem-e2e-regcred"
 ROUTER_POD = {"annotations": {"example.com/owner": "llm-platform"}, "labels": {"example.com/tier": "edge"},
               "runtimeClassName": RUNTIME_CLASS, "priorityClassName": PRIORITY_CLASS,
               "imagePullSecrets": [{"name": PULL_SECRET}]}
+PREFILL_POD = {"hostIPC": True}
 DECODE_POD = {"hostNetwork": True, "runtimeClassName": RUNTIME_CLASS, "imagePullSecrets": [{"name": PULL_SECRET}]}
 
 
@@ -80,7 +82,7 @@ def test_host_network_runtime_class_pull_secrets_and_the_router_pod_on_running_p
                 "spec": {"model": {"name": "tiny-podfields", "dtype": "float32", "maxModelLen": 2048,
                                    "source": {"huggingFace": {"repo": "org/tiny", "cache": {"hostPath": str(cache)}}}},
                          "image": "tandem/worker:dev", "imagePullPolicy": "Never",
-                         "prefill": pool, "decode": {**pool, "pod": DECODE_POD},
+                         "prefill": {**pool, "pod": PREFILL_POD}, "decode": {**pool, "pod": DECODE_POD},
                          "router": {"replicas": 1, "nodeSelector": on_node, "pod": ROUTER_POD}}}
         setup.kubectl("create", "namespace", ns)
         try:
@@ -109,6 +111,15 @@ def test_host_network_runtime_class_pull_secrets_and_the_router_pod_on_running_p
             assert ports == {8000: 8000, 5555: 5555}, ports  # what keeps a second such pod off the node
             info = httpx.get(f"http://{real_node.NODE_IP}:8000/health", timeout=5)
             assert info.status_code == 200, "the decode worker answers on the node's own port 8000"
+
+            # hostIPC: the prefill worker's IPC namespace is the node's (this machine's), decode's its own.
+            def ipc_namespace(pod: dict[str, Any]) -> str:
+                return setup.kubectl("exec", "-n", ns, pod["metadata"]["name"], "-c", "worker", "--",
+                                     "readlink", "/proc/1/ns/ipc").strip()
+
+            assert prefill["spec"]["hostIPC"] is True
+            assert ipc_namespace(prefill) == os.readlink("/proc/self/ns/ipc")
+            assert ipc_namespace(decode) != os.readlink("/proc/self/ns/ipc")
 
             for pod in (decode, router):
                 assert pod["spec"]["runtimeClassName"] == RUNTIME_CLASS, pod["spec"]

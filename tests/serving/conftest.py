@@ -125,6 +125,12 @@ def mono(start_stack: Callable[..., Stack]) -> Stack:
 
 
 @pytest.fixture(scope="session")
+def chunked(start_stack: Callable[..., Stack]) -> Stack:
+    """Both-role workers with chunked prefill, 16-token chunks: most prompts take several steps."""
+    return start_stack("--mode", "chunked", "--decode-workers", "1", "--max-num-batched-tokens", "16", shared=True)
+
+
+@pytest.fixture(scope="session")
 def hf_greedy(tiny_model: Path) -> Callable[[list[int], int], list[int]]:
     """transformers' greedy continuation of a prompt: the reference the engine must match."""
     transformers = pytest.importorskip("transformers", reason="transformers is the reference (test extra)")

@@ -1,7 +1,8 @@
 """Structured outputs and tool calls (issue 20) through the official `openai` client against real
 `tandem serve` stacks with the random-weight tiny model: whatever the weights say, the output parses
 and validates against the schema (the grammar decides what may come), in disaggregated mode (first
-token from the prefill worker, the rest from the decode worker) and monolithic; a forced tool call's
+token from the prefill worker, the rest from the decode worker), monolithic and chunked (prompts
+prefilled in 16-token chunks); a forced tool call's
 arguments validate against the function's parameters; requests without a grammar batched beside
 constrained ones get the tokens they get alone."""
 
@@ -92,7 +93,7 @@ def tools_stack(start_stack: Callable[..., Stack], tool_model: Path) -> Stack:
     return start_stack("--mode", "disaggregated", "--prefill-workers", "1", "--decode-workers", "1", model=tool_model)
 
 
-@pytest.fixture(params=["disagg", "mono"])
+@pytest.fixture(params=["disagg", "mono", "chunked"])
 def stack(request: pytest.FixtureRequest) -> Stack:
     return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
 
