@@ -129,8 +129,9 @@ def test_vllm_extensions_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("body", [
-    {"model": "m", "prompt": "x", "echo": True},
-    {"model": "m", "prompt": ["a", "b"]},
+    {"model": "m", "prompt": "x", "echo": True, "logprobs": 6},
+    {"model": "m", "prompt": ["a", ""]},
+    {"model": "m", "prompt": "x", "max_tokens": 0},  # 0 only with echo
     {"model": "m", "prompt": "x", "presence_penalty": 2.5},
     {"model": "m", "prompt": "x", "top_p": 0},
 ])

@@ -28,7 +28,7 @@ from .kv_budget import free_memory_bytes, kv_budget_bytes
 from .outputs import EngineStats, LayerWrite, RequestOutput
 from .penalties import adjust_logits, wants_adjusting
 from .runner import ModelRunner
-from .sampler import DRAW_FAILED, Sampled, sample, skip_draws
+from .sampler import DRAW_FAILED, Sampled, prompt_logprobs, sample, skip_draws
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence, Status
@@ -161,7 +161,11 @@ class LLMEngine:
                 self.stall = self._stall_reason()
             return outputs
         to_sample = [s for s, n in plan.scheduled if s.num_computed_tokens + n == s.num_tokens]
-        logits = self.runner.execute(plan.scheduled, to_sample, self._layer_hook(plan.scheduled))
+        spans = [(s, *span) for s, n in plan.scheduled if (span := s.prompt_logprob_span(n)) is not None]
+        logits = self.runner.execute(plan.scheduled, to_sample, self._layer_hook(plan.scheduled), spans)
+        if spans:
+            self._record_prompt_logprobs(logits[len(to_sample):], spans)
+            logits = logits[:len(to_sample)]
         for seq, n in plan.scheduled:
             seq.num_computed_tokens += n
             seq.num_registered_blocks = self.kv.cache_blocks(
@@ -220,6 +224,18 @@ class LLMEngine:
                 merged.errors[i] = one.errors[0]
         return merged
 
+    def _record_prompt_logprobs(self, logits: torch.Tensor, spans: list[tuple[Sequence, int, int]]) -> None:
+        """Prompt logprobs of this step's positions (`spans`, as ModelRunner.execute takes them)."""
+        targets = [s.token_ids[pos + 1] for s, lo, hi in spans for pos in range(lo, hi)]
+        top = [s.params.prompt_logprobs or 0 for s, lo, hi in spans for _ in range(lo, hi)]
+        chosen, tops = prompt_logprobs(logits, targets, top)
+        row = 0
+        for seq, lo, hi in spans:
+            seq.prompt_logprobs += chosen[row:row + hi - lo]
+            if seq.params.prompt_logprobs:
+                seq.prompt_top_logprobs += tops[row:row + hi - lo]
+            row += hi - lo
+
     def _advance(self, seq: Sequence, sampled: Sampled, row: int) -> RequestOutput:
         """Append a request's newly sampled token; its output (a hand-over on the prefill role)."""
         token = sampled.tokens[row]
@@ -236,6 +252,12 @@ class LLMEngine:
                 self._finish(seq, reason)
             out = self._output(seq, [token], lp)
         out.top_logprobs = top
+        if seq.needs_prompt_logprobs:  # the prompt is computed: its logprobs go with the first token
+            seq.prompt_logprobs_sent = True
+            if len(seq.prompt_logprobs) == seq.num_prompt_tokens - 1:
+                out.prompt_logprobs = seq.prompt_logprobs
+                out.prompt_top_logprobs = seq.prompt_top_logprobs if seq.params.prompt_logprobs else None
+            seq.prompt_logprobs, seq.prompt_top_logprobs = [], []
         return out
 
     def _fail(self, seq: Sequence, error: str) -> RequestOutput:

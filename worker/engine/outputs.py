@@ -22,6 +22,11 @@ class RequestOutput:
     error: str | None = None
     # Per new token, SamplingParams.top_logprobs (token id, logprob) pairs, best first, when it asks for any.
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With the first token, when SamplingParams.prompt_logprobs: the logprob of each prompt token after the
+    # first (num_prompt_tokens - 1 of them; the first has none) and, when it asks for any, that many most
+    # likely (token id, logprob) pairs per prompt token, best first.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass

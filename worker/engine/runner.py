@@ -36,18 +36,24 @@ class ModelRunner:
         self.window = next((w for w in model.config.layer_windows if w is not None), None)
 
     def execute(self, batch: list[tuple[Sequence, int]], sample: list[Sequence],
-                on_layer_written: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Compute `batch` ((sequence, new tokens) pairs); float32 logits for each of `sample`, in order."""
+                on_layer_written: Callable[[int], None] | None = None,
+                spans: Seq[tuple[Sequence, int, int]] = ()) -> torch.Tensor:
+        """Compute `batch` ((sequence, new tokens) pairs); float32 logits for each of `sample`, in order,
+        then for each (sequence, lo, hi) of `spans` those of its positions lo..hi-1 (in this step's chunk
+        of it: the prompt logprobs). Only rank 0 asks for logits; the followers compute none."""
         ordered = [(s, n) for s, n in batch if n == 1] + [(s, n) for s, n in batch if n > 1]  # decodes first
         plan: list[Chunk] = []
+        first_index: dict[int, int] = {}  # id(seq) -> row of its first new token
         last_index: dict[int, int] = {}  # id(seq) -> row of its last token
         num_tokens = 0
         for seq, n in ordered:
             start = seq.num_computed_tokens
             plan.append((seq.token_ids[start:start + n], start, seq.block_table))
+            first_index[id(seq)] = num_tokens
             num_tokens += n
             last_index[id(seq)] = num_tokens - 1
         rows = [last_index[id(s)] for s in sample]
+        rows += [first_index[id(s)] + pos - s.num_computed_tokens for s, lo, hi in spans for pos in range(lo, hi)]
         if self.tp is None:
             return self.run(plan, rows, on_layer_written)
         with self.tp.step():  # a failed collective names the rank that caused it

@@ -72,6 +72,22 @@ def _top_logprobs(log_probs: torch.Tensor, params: Sequence[SamplingParams]) -> 
     return [list(zip(i[:p.top_logprobs], v[:p.top_logprobs], strict=True)) for p, (i, v) in zip(params, rows, strict=True)]
 
 
+def prompt_logprobs(logits: torch.Tensor, targets: Sequence[int], top: Sequence[int]
+                    ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Prompt logprobs: per row of `logits` (float32, the model's own), the log-softmax at its target
+    token (the prompt token that follows the row's position) and its `top[row]` most likely (token,
+    logprob) pairs, best first."""
+    log_probs = torch.log_softmax(logits, dim=-1)
+    index = torch.tensor(list(targets), dtype=torch.long, device=logits.device)
+    chosen = log_probs.gather(1, index[:, None]).squeeze(1).tolist()
+    k = max(top, default=0)
+    if k == 0:
+        return chosen, [[] for _ in chosen]
+    values, ids = torch.topk(log_probs, min(k, log_probs.shape[-1]), dim=-1)
+    rows = zip(top, ids.tolist(), values.tolist(), strict=True)
+    return chosen, [list(zip(i[:n], v[:n], strict=True)) for n, i, v in rows]
+
+
 def bad_logit_rows(logits: torch.Tensor) -> list[int]:
     """Rows with a NaN or +inf logit: the model's numbers broke down (-inf is a masked token, fine)."""
     return _rows(torch.isnan(logits).any(dim=-1) | torch.isposinf(logits).any(dim=-1))

@@ -39,6 +39,10 @@ class SamplingParams:
     # (kind, spec): the output follows a JSON schema, any JSON object, a regex or one of a list of choices
     # (grammar.py). The wire form {"kind": ..., "spec": ...} is taken too.
     grammar: tuple[str, str] | None = None
+    # The prompt's own logprobs (vLLM's prompt_logprobs; completions' echo): the logprob of each prompt
+    # token after the first given the tokens before it, and this many most likely tokens with theirs (0:
+    # none). None: off. Such a request reads nothing from the prefix cache until they are computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -56,6 +60,10 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}")
         if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -110,8 +110,10 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int | None:
         """Allocate blocks for the next chunk of a waiting sequence; the chunk's size, or None."""
         cached: list[int] = []
+        # A request that wants its prompt's logprobs computes the whole prompt: a cached prefix has no logits.
+        skip_cache = seq.needs_prompt_logprobs
         if not seq.block_table:  # new or preempted: start from the longest cached prefix
-            if self.kv.enable_prefix_caching:
+            if self.kv.enable_prefix_caching and not skip_cache:
                 seq.block_hashes = block_hashes(seq.token_ids, self.kv.block_size, seq.block_hashes)
                 cached = self.kv.lookup_prefix(seq.block_hashes, seq.num_tokens)
             seq.num_computed_tokens = 0
@@ -128,7 +130,8 @@ class Scheduler:
         if not seq.prefix_recorded:
             seq.prefix_recorded = True
             seq.num_cached_tokens = len(cached) * self.kv.block_size
-            self.kv.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
+            if not skip_cache:  # not looked up: not counted (as vLLM counts it)
+                self.kv.record_prefix_lookup(seq.num_prompt_tokens, seq.num_cached_tokens)
         return num_new
 
     @property

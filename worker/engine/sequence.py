@@ -39,6 +39,11 @@ class Sequence:
         self.num_preemptions = 0
         self.num_sampled_in_prompt = 0  # trailing prompt tokens another worker generated (a migration)
         self.matcher: Any = None  # xgrammar's GrammarMatcher when params.grammar is set (grammar.py)
+        # params.prompt_logprobs: entry i is prompt token i + 1's (position i's logits score it), filled
+        # chunk by chunk as the prompt is computed, handed out with the first token (then cleared).
+        self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[list[tuple[int, float]]] = []
+        self.prompt_logprobs_sent = False
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,23 @@ class Sequence:
         """Holds KV blocks while not running: a prefilled hand-off (decode role) waiting for admission.
         New and preempted sequences hold none; one in the middle of a chunked prefill is running."""
         return self.status is Status.WAITING and bool(self.block_table)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's logprobs and has not had them yet: its prompt must be computed (no
+        prefix-cache hit), since a cached prefix has no logits."""
+        return self.params.prompt_logprobs is not None and not self.prompt_logprobs_sent
+
+    def prompt_logprob_span(self, num_new: int) -> tuple[int, int] | None:
+        """The positions [lo, hi) of this step's `num_new` tokens whose logits score a prompt token that
+        has no logprob yet (position p scores prompt token p + 1), or None. After a preemption the
+        recomputed positions already scored are skipped; a prompt whose start this engine did not
+        compute (KV from elsewhere) gets none."""
+        start = self.num_computed_tokens
+        if not self.needs_prompt_logprobs or start > len(self.prompt_logprobs):
+            return None
+        lo, hi = len(self.prompt_logprobs), min(start + num_new, self.num_prompt_tokens - 1)
+        return (lo, hi) if lo < hi else None
 
     @property
     def num_uncomputed_prompt_tokens(self) -> int:

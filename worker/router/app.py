@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import anyio
 import httpx
@@ -44,6 +44,7 @@ from tandem.worker.router.openai_api import (
     choice_sampling,
     grammar_of,
     parse_body,
+    prompts_of,
     resolve_max_tokens,
     sampling_from,
     tools_of,
@@ -381,14 +382,18 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
         grammar = grammar_of(req, use)
         if use is not None and use.parsed and req.n > 1:
             raise errors.bad_request("n > 1 is not supported with tools", "n")
-        prompt = await asyncio.to_thread(_prompt_ids, req, tok, max_model_len, state.chars_per_token, use)
+        prompts = await asyncio.to_thread(_prompts, req, tok, max_model_len, state.chars_per_token, use)
         if isinstance(req, ChatRequest):
             requested, want_logprobs, default_max = req.max_completion_tokens or req.max_tokens, req.logprobs, None
         else:
             requested, want_logprobs = req.max_tokens, req.logprobs is not None
             default_max = DEFAULT_COMPLETION_MAX_TOKENS
-        max_tokens = resolve_max_tokens(requested, len(prompt), max_model_len, default_max)
-        sampling = sampling_from(req, max_tokens, want_logprobs, top_logprobs_of(req), tok.vocab_size, grammar)
+        drop_output = isinstance(req, CompletionRequest) and req.echo and requested == 0
+        choices = []  # a batch's prompts in order, each with its n choices
+        for prompt, echo in prompts:
+            max_tokens = resolve_max_tokens(requested, len(prompt), max_model_len, default_max)
+            sampling = sampling_from(req, max_tokens, want_logprobs, top_logprobs_of(req), tok.vocab_size, grammar)
+            choices += [_Choice(prompt, choice_sampling(sampling, i), echo, drop_output) for i in range(req.n)]
     except APIError:
         state.telemetry.inc(m.REQUESTS, reason="error")  # refused before it started: counted all the same
         raise
@@ -400,13 +405,17 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
         raise
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     shape = Shape(request_id, served, chat, want_logprobs, req.return_token_ids)
-    if req.n > 1 and not req.stream:
-        return await _collect_n(state, request, request_id, prompt, sampling, req.n, deadline, tok, shape, arrival)
-    if req.n > 1:
-        return await _stream_n(state, request, request_id, prompt, sampling, req, deadline, tok, shape, arrival)
-    events = state.dispatcher.generate(request_id, prompt, sampling, deadline)
+    prompt_tokens = sum(len(prompt) for prompt, _ in prompts)  # each prompt of a batch once, whatever n
+    if len(choices) > 1 and not req.stream:
+        return await _collect_n(state, request, request_id, choices, deadline, tok, shape, arrival, prompt_tokens)
+    if len(choices) > 1:
+        return await _stream_n(state, request, request_id, choices, req, deadline, tok, shape, arrival,
+                               prompt_tokens)
+    choice = choices[0]
+    prompt = choice.prompt
+    events = state.dispatcher.generate(request_id, prompt, choice.sampling, deadline)
     timer = _Timer(state.telemetry, arrival, len(prompt))
-    asm = TextAssembler(tok, prompt, sampling.stop)
+    asm = choice.assembler(tok)
     if use is not None and use.parsed:  # the whole output decides whether it is a call: collected first
         body = _tool_calls_body(use, await _collect_body(request, events, asm, shape, timer, len(prompt)), asm)
         if not req.stream:
@@ -508,11 +517,52 @@ async def _replay(body: dict[str, Any], include_usage: bool) -> AsyncIterator[by
     yield sse("[DONE]")
 
 
-def _prompt_ids(req: ChatRequest | CompletionRequest, tok: Tokenizer, max_model_len: int,
+@dataclass
+class _Choice:
+    """One choice of an answer: a generation of its own on the workers."""
+
+    prompt: list[int]
+    sampling: Sampling
+    echo: str | None = None  # completions' echo: the prompt's text, which the choice's text starts with
+    drop_output: bool = False  # echo with max_tokens 0: the one token the workers generate is left out
+
+    def assembler(self, tok: Tokenizer) -> TextAssembler:
+        return TextAssembler(tok, self.prompt, self.sampling.stop, echo=self.echo, drop_output=self.drop_output,
+                             want_prompt_logprobs=self.sampling.prompt_logprobs is not None)
+
+
+def _push(asm: TextAssembler, ev: TokenEvent) -> Delta:
+    """An event's tokens into a choice's text; the prompt's logprobs (echo) come with the first."""
+    if ev.prompt_logprobs is not None:
+        asm.prompt_logprobs, asm.prompt_top_logprobs = ev.prompt_logprobs, ev.prompt_top_logprobs
+    elif asm.want_prompt_logprobs and asm.prompt_logprobs is None:
+        raise errors.internal("the workers answered without the prompt's logprobs (echo)")
+    if asm.drop_output:  # max_tokens 0: the answer is the prompt alone
+        return asm.push([], None, "length")
+    return asm.push(ev.token_ids, ev.logprobs, ev.finish_reason, ev.top_logprobs)
+
+
+def _prompts(req: ChatRequest | CompletionRequest, tok: Tokenizer, max_model_len: int,
+             chars_per_token: float | None, use: ToolUse | None = None) -> list[tuple[list[int], str | None]]:
+    """Each prompt's token ids (one, or a completions batch's), with its text when the answer echoes it
+    (runs in a worker thread)."""
+    if isinstance(req, ChatRequest):
+        return [(_prompt_ids(req, tok, max_model_len, chars_per_token, use), None)]
+    out: list[tuple[list[int], str | None]] = []
+    for prompt in prompts_of(req):
+        ids = _prompt_ids(prompt, tok, max_model_len, chars_per_token)
+        echo = None
+        if req.echo:  # a text prompt as it was given; token ids as they decode (special tokens included)
+            echo = prompt if isinstance(prompt, str) else tok.decode(ids, skip_special_tokens=False)
+        out.append((ids, echo))
+    return out
+
+
+def _prompt_ids(req: ChatRequest | str | list[int], tok: Tokenizer, max_model_len: int,
                 chars_per_token: float | None, use: ToolUse | None = None) -> list[int]:
-    """The prompt's token ids (runs in a worker thread). A text that cannot fit however it encodes
-    is refused before the tokenizer spends time on it. The chat template gets the tools, as transformers
-    passes them (`tools`, a list of {"type": "function", "function": {...}})."""
+    """The prompt's token ids: a chat's, or one completions prompt's (text or token ids). A text that
+    cannot fit however it encodes is refused before the tokenizer spends time on it. The chat template
+    gets the tools, as transformers passes them (`tools`, a list of {"type": "function", "function": {...}})."""
     if isinstance(req, ChatRequest):
         try:
             extra: dict[str, Any] = {"tools": use.tools} if use is not None else {}
@@ -521,10 +571,10 @@ def _prompt_ids(req: ChatRequest | CompletionRequest, tok: Tokenizer, max_model_
             raise errors.bad_request(str(exc), "messages") from None
         _check_could_fit(text, max_model_len, chars_per_token)
         return encode(tok, text, add_special_tokens=False)
-    if isinstance(req.prompt, str):
-        _check_could_fit(req.prompt, max_model_len, chars_per_token)
-        return encode(tok, req.prompt)
-    prompt = cast(list[int], list(req.prompt))  # token ids: parse_body unwrapped any [[...]] and [str]
+    if isinstance(req, str):
+        _check_could_fit(req, max_model_len, chars_per_token)
+        return encode(tok, req)
+    prompt = list(req)  # token ids
     if len(prompt) >= max_model_len:  # before looking at every id of a huge list
         resolve_max_tokens(None, len(prompt), max_model_len, None)
     if any(not 0 <= t < tok.vocab_size for t in prompt):
@@ -572,23 +622,22 @@ async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: Tex
     return JSONResponse(await _collect_body(request, events, asm, shape, timer, prompt_tokens))
 
 
-async def _collect_n(state: RouterState, request: Request, request_id: str, prompt: list[int], sampling: Sampling,
-                     n: int, deadline: float, tok: Tokenizer, shape: Shape, arrival: float) -> Response:
-    """n > 1 (not streamed): n generations of the prompt side by side, one answer with n choices. Each is
-    a request to the workers of its own; a worker's prefix cache shares the prompt's full KV blocks
-    between those it serves. Seeded: choice i uses seed + i, so the choices differ and repeat."""
-    async def choice(i: int) -> dict[str, Any]:
-        events = state.dispatcher.generate(f"{request_id}-{i}", prompt, choice_sampling(sampling, i), deadline)
-        timer = _Timer(state.telemetry, arrival, len(prompt), counted=i == 0)
-        return await _collect_body(request, events, TextAssembler(tok, prompt, sampling.stop), shape, timer,
-                                   len(prompt))
+async def _collect_n(state: RouterState, request: Request, request_id: str, choices: list[_Choice], deadline: float,
+                     tok: Tokenizer, shape: Shape, arrival: float, prompt_tokens: int) -> Response:
+    """n > 1 or a batch of prompts (not streamed): the choices' generations side by side, one answer. Each
+    is a request to the workers of its own; a worker's prefix cache shares a prompt's full KV blocks
+    between those it serves. Seeded: a prompt's choice i uses seed + i, so they differ and repeat."""
+    async def one(i: int, choice: _Choice) -> dict[str, Any]:
+        events = state.dispatcher.generate(f"{request_id}-{i}", choice.prompt, choice.sampling, deadline)
+        timer = _Timer(state.telemetry, arrival, prompt_tokens, counted=i == 0)
+        return await _collect_body(request, events, choice.assembler(tok), shape, timer, len(choice.prompt))
 
     try:
         async with asyncio.TaskGroup() as group:  # one choice failing cancels the others (their KV is freed)
-            tasks = [group.create_task(choice(i)) for i in range(n)]
+            tasks = [group.create_task(one(i, choice)) for i, choice in enumerate(choices)]
     except* APIError as failed:
         raise failed.exceptions[0] from None
-    return JSONResponse(merge_choices([t.result() for t in tasks]))
+    return JSONResponse(merge_choices([t.result() for t in tasks], prompt_tokens))
 
 
 async def _collect_body(request: Request, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
@@ -599,7 +648,7 @@ async def _collect_body(request: Request, events: AsyncIterator[TokenEvent], asm
         ev = await _first_event(request, events)
         while ev is not None:
             timer.tokens(len(ev.token_ids))
-            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason, ev.top_logprobs)
+            delta = _push(asm, ev)
             deltas.append(delta)
             if delta.finish_reason is not None:
                 reason = delta.finish_reason
@@ -631,15 +680,15 @@ class _Choices:
             await events.aclose()  # type: ignore[attr-defined]
 
 
-async def _stream_n(state: RouterState, request: Request, request_id: str, prompt: list[int], sampling: Sampling,
+async def _stream_n(state: RouterState, request: Request, request_id: str, choices: list[_Choice],
                     req: ChatRequest | CompletionRequest, deadline: float, tok: Tokenizer, shape: Shape,
-                    arrival: float) -> Response:
-    """n > 1, streamed: the n choices' chunks interleaved as they come, each with its index (as OpenAI's);
-    one usage chunk (with include_usage) and [DONE] at the end."""
-    streams = [state.dispatcher.generate(f"{request_id}-{i}", prompt, choice_sampling(sampling, i), deadline)
-               for i in range(req.n)]
-    timers = [_Timer(state.telemetry, arrival, len(prompt), counted=i == 0) for i in range(req.n)]
-    asms = [TextAssembler(tok, prompt, sampling.stop) for _ in range(req.n)]
+                    arrival: float, prompt_tokens: int) -> Response:
+    """n > 1 or a batch of prompts, streamed: the choices' chunks interleaved as they come, each with its
+    index (as OpenAI's); one usage chunk (with include_usage) and [DONE] at the end."""
+    streams = [state.dispatcher.generate(f"{request_id}-{i}", c.prompt, c.sampling, deadline)
+               for i, c in enumerate(choices)]
+    timers = [_Timer(state.telemetry, arrival, prompt_tokens, counted=i == 0) for i in range(len(choices))]
+    asms = [c.assembler(tok) for c in choices]
     try:
         firsts = await asyncio.gather(*(_first_event(request, events) for events in streams))
     except APIError:
@@ -652,10 +701,11 @@ async def _stream_n(state: RouterState, request: Request, request_id: str, promp
         raise errors.internal("the workers finished without producing a token")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stop = asyncio.Event()
-    bodies = [_stream(request, first, events, asm, shape, timer, len(prompt), False, index=i, final=False, stop=stop)
+    bodies = [_stream(request, first, events, asm, shape, timer, prompt_tokens, False, index=i, final=False,
+                      stop=stop)
               for i, (first, events, asm, timer) in enumerate(zip(firsts, streams, asms, timers, strict=True))
               if first is not None]
-    return _EventStream(_interleave(bodies, stop, shape, asms, len(prompt), include_usage), _Choices(streams),  # type: ignore[arg-type]
+    return _EventStream(_interleave(bodies, stop, shape, asms, prompt_tokens, include_usage), _Choices(streams),  # type: ignore[arg-type]
                         deadline)
 
 
@@ -703,7 +753,7 @@ async def _stream(request: Request, first: TokenEvent, events: AsyncIterator[Tok
         is_first = handoff = True
         while ev is not None:
             timer.tokens(len(ev.token_ids))
-            delta = asm.push(ev.token_ids, ev.logprobs, ev.finish_reason, ev.top_logprobs)
+            delta = _push(asm, ev)
             if delta.text or delta.finish_reason or is_first or shape.token_ids or (shape.logprobs and delta.logprobs):
                 yield sse(stream_chunk(shape, asm, delta, is_first, index))
                 is_first = False

@@ -74,6 +74,10 @@ class TokenEvent:
     logprobs: list[float] | None = None
     finish_reason: str | None = None  # "stop" | "length" on the last event
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when the sampling asks for them
+    # With the first token, when sampling.prompt_logprobs: prompt tokens 1..n-1's logprobs and their most
+    # likely (token id, logprob) pairs (protocol.PrefillResponse); the first token has none.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class WorkerLost(Exception):
@@ -148,8 +152,8 @@ class Dispatcher:
                 if event.finish_reason is not None:
                     return
                 body = DecodeRequest(request_id=rid, prompt_token_ids=prompt,
-                                     first_token_id=generated[0], sampling=sampling, kv_ready=kv_ready,
-                                     deadline_s=_left(deadline))
+                                     first_token_id=generated[0], sampling=_after_prompt(sampling),
+                                     kv_ready=kv_ready, deadline_s=_left(deadline))
                 stream = self._stream(decode, "/decode", body, deadline)
                 released = True  # nothing awaits before the stream's POST claims the reservation
             finally:
@@ -183,7 +187,8 @@ class Dispatcher:
                 if left <= 0:  # the worker died after the last token but before saying so
                     yield TokenEvent([], None, "length")
                     return
-                rest = sampling.model_copy(update={"max_tokens": left})
+                # The prompt's logprobs came with the first token: a continuation computes none.
+                rest = (_after_prompt(sampling) if generated else sampling).model_copy(update={"max_tokens": left})
                 stream = self._generate_stream(decode, f"{request_id}-m{migrations}", prompt + generated, rest,
                                                deadline, sampled_before=len(generated))
 
@@ -270,8 +275,9 @@ class Dispatcher:
         if version <= 1 or not ready or self._usable(DECODE_ROLES, version):
             return None
         have = sorted({w.info.api_version for w in ready if w.info is not None})
-        asked = ", ".join("grammar (response_format, guided_*, a required or named tool_choice)" if f == "grammar"
-                          else f for f in fields)
+        names = {"grammar": "grammar (response_format, guided_*, a required or named tool_choice)",
+                 "prompt_logprobs": "prompt_logprobs (echo with logprobs)"}
+        asked = ", ".join(names.get(f, f) for f in fields)
         return (f"this request's {asked} needs workers of control API version {version} or later, and the ready "
                 f"workers are older (version {', '.join(map(str, have))}), which would ignore it: retry once "
                 "they are upgraded")
@@ -339,7 +345,8 @@ class Dispatcher:
                             request_id, worker.url, resp.error)
             event = TokenEvent([resp.first_token_id], [resp.logprob] if resp.logprob is not None else None,
                                self._finish_after_first(resp.first_token_id, sampling),
-                               [resp.top_logprobs] if resp.top_logprobs is not None else None)
+                               [resp.top_logprobs] if resp.top_logprobs is not None else None,
+                               resp.prompt_logprobs, resp.prompt_top_logprobs)
             if reservation is not None and not kv_ready and not decode.usable and event.finish_reason is None:
                 # Its /decode would only wait out the stall timeout: start over instead.
                 raise self._abandon(decode, request_id, deadline, "stopped answering and the KV did not reach it")
@@ -525,7 +532,8 @@ class Dispatcher:
                         raise WorkerLost(f"{worker.url} aborted the request")
                     if chunk.token_ids or reason:
                         last_token = time.monotonic()
-                        yield TokenEvent(chunk.token_ids, chunk.logprobs, reason, chunk.top_logprobs)
+                        yield TokenEvent(chunk.token_ids, chunk.logprobs, reason, chunk.top_logprobs,
+                                         chunk.prompt_logprobs, chunk.prompt_top_logprobs)
                     if reason is None and time.monotonic() >= deadline:
                         raise errors.timeout("the request's deadline passed before it finished")
         except (httpx.HTTPError, ValidationError, json.JSONDecodeError) as exc:
@@ -534,6 +542,14 @@ class Dispatcher:
             raise WorkerLost(f"{worker.url}{path}: {type(exc).__name__}: {exc}") from None
         finally:
             worker.active -= 1
+
+
+def _after_prompt(sampling: Sampling) -> Sampling:
+    """The sampling of a request's continuation once its first token (and with it any prompt logprobs)
+    is out: the decode worker's /decode and a migration's /generate compute no prompt logprobs."""
+    if sampling.prompt_logprobs is None:
+        return sampling
+    return sampling.model_copy(update={"prompt_logprobs": None})
 
 
 def _left(deadline: float) -> float:

@@ -1,7 +1,7 @@
 """OpenAI request bodies (with vLLM's extensions that benchmark clients send) and their validation.
 
 Parsing is strict where a wrong value would silently change the answer (types, ranges, n>1,
-echo, best_of). Nothing is dropped silently: a field this server does not implement (`tools`,
+best_of). Nothing is dropped silently: a field this server does not implement (`tools`,
 `response_format`, `logit_bias`, ...) is refused with a 400 naming it, unless its value says nothing
 (null, empty, `{"type": "text"}`); the few OpenAI fields that mean nothing here (`user`, `metadata`,
 `store`, ...) are accepted and ignored, as docs/serving.md lists them. Types are JSON's:
@@ -71,6 +71,10 @@ CONTENT_REQUIRED = ("system", "developer", "user", "tool")
 
 # n: each choice is a generation of its own on the workers, so n multiplies a request's cost.
 MAX_CHOICES = 16
+# A batch of prompts (completions): each is a choice (n of them) of its own on the workers too; this bounds
+# prompts x n, what one request can put on the workers at once.
+MAX_BATCH_CHOICES = 64
+MAX_ECHO_LOGPROBS = 5  # completions' logprobs: OpenAI's limit, for the prompt's tokens (echo) as for the rest
 # OpenAI request fields that change nothing in the answer this server gives: accepted and ignored.
 # (`parallel_tool_calls`: a forced call is one call; with `auto` the model writes as many as it likes.)
 IGNORED_FIELDS = ("user", "metadata", "store", "service_tier", "parallel_tool_calls")
@@ -120,7 +124,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: Flag = False
     # The published schema (the router's /openapi.json) says what _check_unsupported accepts: best_of 1 or
-    # null, no echo. Validation stays as it is, so that the 400 names the unsupported feature.
+    # null. Validation stays as it is, so that the 400 names the unsupported feature.
     n: Int = Field(1, ge=1, le=MAX_CHOICES)
     best_of: Int | None = Field(None, json_schema_extra={"anyOf": [{"const": 1}, {"type": "null"}]})
     return_token_ids: Flag = False  # vLLM extension: token ids in each choice
@@ -152,14 +156,17 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    # Not empty, and one prompt per request (_check_unsupported).
+    # Not empty; a list of prompts is a batch (one choice per prompt and n, in order: _check_unsupported).
     prompt: str | list[Int] | list[str] | list[list[Int]] = Field(json_schema_extra={"anyOf": [
         {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": MAX_BATCH_CHOICES},
         {"type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
-         "minItems": 1, "maxItems": 1}]})
-    logprobs: Int | None = Field(None, ge=0, le=5)
-    echo: Flag = Field(False, json_schema_extra={"const": False})
+         "minItems": 1, "maxItems": MAX_BATCH_CHOICES}]})
+    # 0 only with echo: the prompt's logprobs, nothing generated (OpenAI's legacy scoring call).
+    max_tokens: Int | None = Field(None, ge=0)
+    logprobs: Int | None = Field(None, ge=0, le=MAX_ECHO_LOGPROBS)
+    # The answer's text starts with the prompt; with logprobs, its tokens' logprobs come first (prompt_logprobs).
+    echo: Flag = False
 
 
 class ChatMessage(BaseModel):
@@ -293,14 +300,23 @@ def _check_unsupported(req: CompletionRequest | ChatRequest) -> None:
     if req.best_of not in (None, 1):
         raise bad_request("best_of is not supported (only best_of=1)", param="best_of")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo")
-        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
-            if len(req.prompt) != 1:
-                raise bad_request("only one prompt per request is supported", param="prompt")
-            req.prompt = req.prompt[0]
-        if req.prompt in ("", []):
+        prompts = prompts_of(req)
+        if len(prompts) * req.n > MAX_BATCH_CHOICES:
+            raise bad_request(f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH_CHOICES} choices in one "
+                              "request", param="prompt")
+        if any(p in ("", []) for p in prompts):
             raise bad_request("prompt must not be empty", param="prompt")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt's logprobs alone)",
+                              param="max_tokens")
+
+
+def prompts_of(req: CompletionRequest) -> list[str | list[int]]:
+    """The prompts of a completions request: one, or a batch (a list of strings or of token id lists)."""
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return list(prompt)
+    return [prompt]  # type: ignore[list-item]
 
 
 def stop_list(stop: str | list[str] | None) -> list[str]:
@@ -370,15 +386,24 @@ def grammar_of(req: CompletionRequest | ChatRequest, use: ToolUse | None) -> Gra
     return asked[0][1] if asked else None
 
 
+def prompt_logprobs_of(req: CompletionRequest | ChatRequest) -> int | None:
+    """How many alternatives each prompt token lists (echo with logprobs), or None: no prompt logprobs."""
+    if isinstance(req, CompletionRequest) and req.echo and req.logprobs is not None:
+        return req.logprobs
+    return None
+
+
 def sampling_from(req: CompletionRequest | ChatRequest, max_tokens: int, want_logprobs: bool,
                   top_logprobs: int = 0, vocab_size: int | None = None, grammar: Grammar | None = None) -> Sampling:
+    """`max_tokens` 0 (echo alone) asks the workers for one token, which the answer leaves out."""
+    max_tokens = max(1, max_tokens)
     return Sampling(
         max_tokens=max_tokens, temperature=req.temperature, top_k=max(0, req.top_k), top_p=req.top_p,
         min_p=req.min_p, seed=req.seed, stop=stop_list(req.stop), stop_token_ids=list(req.stop_token_ids or []),
         ignore_eos=req.ignore_eos, logprobs=want_logprobs, top_logprobs=top_logprobs,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, logit_bias=logit_bias_of(req, vocab_size),
-        min_tokens=min_tokens_of(req, max_tokens), grammar=grammar)
+        min_tokens=min_tokens_of(req, max_tokens), grammar=grammar, prompt_logprobs=prompt_logprobs_of(req))
 
 
 class HasMessages(typing.Protocol):

@@ -41,8 +41,31 @@ def _logprobs(shape: Shape, asm: TextAssembler, delta: Delta) -> dict[str, Any] 
                             for t, lp, top in zip(tokens, delta.logprobs, tops, strict=False)]}
     # Completions list each token's alternatives as {text: logprob}, as OpenAI's legacy API does (tokens
     # that decode to the same text share a key), or null for logprobs=0.
-    top_lists = [_by_text(asm, top) for top in tops] if delta.top_logprobs else None
-    return {"tokens": tokens, "token_logprobs": list(delta.logprobs), "top_logprobs": top_lists, "text_offset": None}
+    top_lists: list[dict[str, float] | None] | None = [_by_text(asm, top) for top in tops] if delta.top_logprobs else None
+    return _completion_logprobs(asm, tokens, list(delta.logprobs), top_lists)
+
+
+def _completion_logprobs(asm: TextAssembler, tokens: list[str], logprobs: list[float | None],
+                         tops: list[dict[str, float] | None] | None) -> dict[str, Any]:
+    """Completions' logprobs object; text_offset: where each token starts in the choice's text (its
+    tokens' texts laid end to end, as vLLM counts them), continued from the tokens listed before."""
+    offsets = []
+    for token in tokens:
+        offsets.append(asm.offset)
+        asm.offset += len(token)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echo_logprobs(shape: Shape, asm: TextAssembler) -> dict[str, Any] | None:
+    """Echo: the prompt's tokens with their logprobs (the first token has none, as in OpenAI's and vLLM's
+    answers), listed before the generated tokens'."""
+    if not shape.logprobs or asm.echo is None or asm.prompt_logprobs is None:
+        return None
+    tokens = [asm.token_text(t) for t in asm.prompt_ids]
+    tops: list[dict[str, float] | None] | None = None
+    if asm.prompt_top_logprobs is not None:
+        tops = [None, *(_by_text(asm, top) for top in asm.prompt_top_logprobs)]
+    return _completion_logprobs(asm, tokens, [None, *asm.prompt_logprobs], tops)
 
 
 def _by_text(asm: TextAssembler, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -66,12 +89,17 @@ def _merge_logprobs(shape: Shape, parts: list[dict[str, Any]]) -> dict[str, Any]
     return {"tokens": [t for p in parts for t in p["tokens"]],
             "token_logprobs": [t for p in parts for t in p["token_logprobs"]],
             "top_logprobs": [t for top in tops for t in top] if tops and all(t is not None for t in tops) else None,
-            "text_offset": None}
+            "text_offset": [t for p in parts for t in p["text_offset"]]}
 
 
 def stream_chunk(shape: Shape, asm: TextAssembler, delta: Delta, first: bool, index: int = 0) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": index, "logprobs": _logprobs(shape, asm, delta),
-                              "finish_reason": delta.finish_reason}
+    echo = first and asm.echo is not None  # the first chunk of an echo starts with the prompt
+    if echo:
+        parts = [p for p in (_echo_logprobs(shape, asm), _logprobs(shape, asm, delta)) if p is not None]
+        logprobs = _merge_logprobs(shape, parts) if parts else None
+    else:
+        logprobs = _logprobs(shape, asm, delta)
+    choice: dict[str, Any] = {"index": index, "logprobs": logprobs, "finish_reason": delta.finish_reason}
     if shape.chat:
         d: dict[str, Any] = {"role": "assistant"} if first else {}
         if delta.text or first:
@@ -79,7 +107,7 @@ def stream_chunk(shape: Shape, asm: TextAssembler, delta: Delta, first: bool, in
         choice["delta"] = d
         obj = "chat.completion.chunk"
     else:
-        choice["text"] = delta.text
+        choice["text"] = (asm.echo or "") + delta.text if echo else delta.text
         obj = "text_completion"
     if shape.token_ids:
         choice["token_ids"] = list(delta.token_ids)
@@ -94,13 +122,14 @@ def usage_chunk(shape: Shape, prompt_tokens: int, completion_tokens: int) -> dic
 
 def full_response(shape: Shape, asm: TextAssembler, deltas: list[Delta], finish_reason: str | None,
                   prompt_tokens: int) -> dict[str, Any]:
-    lps = [x for d in deltas if (x := _logprobs(shape, asm, d)) is not None]
+    echoed = _echo_logprobs(shape, asm)
+    lps = ([echoed] if echoed is not None else []) + [x for d in deltas if (x := _logprobs(shape, asm, d)) is not None]
     choice: dict[str, Any] = {"index": 0, "logprobs": _merge_logprobs(shape, lps), "finish_reason": finish_reason}
     if shape.chat:
         choice["message"] = {"role": "assistant", "content": asm.text}
         obj = "chat.completion"
     else:
-        choice["text"] = asm.text
+        choice["text"] = (asm.echo or "") + asm.text
         obj = "text_completion"
     if shape.token_ids:
         choice["token_ids"] = list(asm.token_ids)
@@ -108,13 +137,15 @@ def full_response(shape: Shape, asm: TextAssembler, deltas: list[Delta], finish_
             "usage": usage(prompt_tokens, asm.num_tokens)}
 
 
-def merge_choices(answers: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_choices(answers: list[dict[str, Any]], prompt_tokens: int | None = None) -> dict[str, Any]:
     """n answers to one prompt (full_response each) as one answer with n choices: the first one's id,
-    choices indexed 0..n-1, the prompt counted once and the completions' tokens summed."""
+    choices indexed 0..n-1, the prompt counted once (or `prompt_tokens`: a batch's prompts, each once) and
+    the completions' tokens summed."""
     merged = dict(answers[0])
     merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
     completion = sum(a["usage"]["completion_tokens"] for a in answers)
-    merged["usage"] = usage(answers[0]["usage"]["prompt_tokens"], completion)
+    merged["usage"] = usage(answers[0]["usage"]["prompt_tokens"] if prompt_tokens is None else prompt_tokens,
+                            completion)
     return merged
 
 

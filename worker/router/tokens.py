@@ -166,6 +166,14 @@ class TextAssembler:
     text: str = ""  # everything emitted so far
     token_ids: list[int] = field(default_factory=list)
     finished: bool = False
+    # Completions' echo: the prompt's text, which the answer's text starts with; with logprobs, the prompt's
+    # own (from the first event: tokens 1..n-1, and their alternatives) come before the generated tokens'.
+    echo: str | None = None
+    drop_output: bool = False  # echo with max_tokens 0: the one token the workers generated is left out
+    want_prompt_logprobs: bool = False  # echo with logprobs: the first event must bring the prompt's
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    offset: int = 0  # characters of the tokens listed in logprobs so far (completions' text_offset)
     _pending: str = ""
     _detok: Any = field(default=None)
 

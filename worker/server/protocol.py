@@ -15,8 +15,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # 2: streams carry heartbeats (blank lines); 3: a chunk's error may be the request's own (request_error);
-# 4: Sampling's grammar, penalties, logit_bias, min_tokens and top_logprobs (SAMPLING_FIELDS_SINCE)
-CONTROL_API_VERSION = 4
+# 4: Sampling's grammar, penalties, logit_bias, min_tokens and top_logprobs (SAMPLING_FIELDS_SINCE);
+# 5: Sampling's prompt_logprobs (completions' echo), answered in PrefillResponse and the first StreamChunk
+CONTROL_API_VERSION = 5
 STREAM_HEARTBEAT_S = 1.0
 
 # Ranges every caller of a worker is held to, the router included (it checks the same ones first, so a
@@ -80,6 +81,9 @@ class Sampling(_Wire):
     logit_bias: dict[TokenId, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] = Field(
         default_factory=dict, max_length=MAX_LOGIT_BIAS_TOKENS)
     grammar: Grammar | None = None  # structured outputs and forced tool calls
+    # The prompt's own logprobs (echo with logprobs): with the first token, and this many most likely tokens
+    # per prompt token (0: none). None: off. The worker that computes the prompt computes them.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 # Since which control API version a worker honours each Sampling field added after version 3. A worker
@@ -97,7 +101,7 @@ class Sampling(_Wire):
 # passes to the client as the request's own fault, without trying another worker.
 SAMPLING_FIELDS_SINCE: dict[str, int] = {
     "grammar": 4, "top_logprobs": 4, "presence_penalty": 4, "frequency_penalty": 4, "min_tokens": 4,
-    "repetition_penalty": 4, "logit_bias": 4,
+    "repetition_penalty": 4, "logit_bias": 4, "prompt_logprobs": 5,
 }
 
 
@@ -166,6 +170,10 @@ class PrefillResponse(BaseModel):
     first_token_id: int
     logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None  # the first token's, when sampling.top_logprobs
+    # With sampling.prompt_logprobs (version 5): prompt tokens 1..n-1's logprobs (the first has none) and,
+    # when it asks for any, their most likely (token id, logprob) pairs, best first.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int
     kv_sent: bool  # False: the transfer failed; decode must prefill locally
     error: str | None = None
@@ -194,6 +202,9 @@ class StreamChunk(BaseModel):
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per token, when sampling.top_logprobs
+    # With the first token, when sampling.prompt_logprobs (version 5): as in PrefillResponse.
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0

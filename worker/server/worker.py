@@ -349,7 +349,8 @@ class WorkerServer:
                     last = now
                     telemetry.inc(m.GENERATION_TOKENS, len(out.new_token_ids))
                 chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs,
-                                    top_logprobs=out.top_logprobs, finished=out.finished,
+                                    top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
+                                    prompt_top_logprobs=out.prompt_top_logprobs, finished=out.finished,
                                     finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens)
                 yield chunk.model_dump_json().encode() + b"\n"
                 if out.finished:
@@ -465,7 +466,7 @@ class WorkerServer:
             error, given_up = "the prefill worker could not ship the KV", ABANDONED
         if error is None and res is not None:
             try:
-                params = self._params(req.sampling)
+                params = self._params(req.sampling, prompt_logprobs=None)  # the prefill worker computed the prompt
                 await self._compile_grammar(loop, params)
             except ValueError as exc:
                 self.intake.drop(res)
@@ -495,7 +496,7 @@ class WorkerServer:
             self.intake.drop(res)  # the blocks go back to the pool unregistered: never in the prefix cache
         self.telemetry.inc(m.FALLBACK_PREFILLS)
         sub = await self._add(loop, req.request_id, [*req.prompt_token_ids, req.first_token_id], req.sampling,
-                              sampled_before=1, max_tokens=req.sampling.max_tokens - 1)
+                              sampled_before=1, max_tokens=req.sampling.max_tokens - 1, prompt_logprobs=None)
         return self._pump(loop, req.request_id, sub, deadline,
                           StreamChunk(num_prompt_tokens=len(req.prompt_token_ids), fallback=True))
 
@@ -587,6 +588,7 @@ class WorkerServer:
             return PrefillResponse(first_token_id=out.new_token_ids[0],
                                    logprob=out.logprobs[0] if out.logprobs else None,
                                    top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
+                                   prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
                                    num_prompt_tokens=out.num_prompt_tokens,
                                    kv_sent=shipping and ship_error is None, error=ship_error)
         except TimeoutError:
