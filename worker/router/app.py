@@ -28,7 +28,7 @@ from tandem.worker.router import canary, errors, tokenize_api
 from tandem.worker.router.auth import ApiKeyMiddleware, ApiKeys
 from tandem.worker.router.canary import DEFAULT_INTERVAL_S as DEFAULT_CANARY_INTERVAL_S
 from tandem.worker.router.discovery import Discovery
-from tandem.worker.router.dispatch import DECODE_ROLES, PREFILL_ROLES, Dispatcher, TokenEvent
+from tandem.worker.router.dispatch import DECODE_ROLES, PREFILL_ROLES, Dispatcher, PromptShare, TokenEvent
 from tandem.worker.router.errors import APIError
 from tandem.worker.router.limits import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
@@ -393,7 +393,11 @@ async def _serve_admitted(state: RouterState, request: Request, chat: bool, tick
         for prompt, echo in prompts:
             max_tokens = resolve_max_tokens(requested, len(prompt), max_model_len, default_max)
             sampling = sampling_from(req, max_tokens, want_logprobs, top_logprobs_of(req), tok.vocab_size, grammar)
-            choices += [_Choice(prompt, choice_sampling(sampling, i), echo, drop_output) for i in range(req.n)]
+            # The n choices compute and hold the prompt's KV once (dispatch.PromptShare); not when they want the
+            # prompt's logprobs, which a prefix-cache hit cannot give.
+            share = PromptShare() if req.n > 1 and sampling.prompt_logprobs is None else None
+            choices += [_Choice(prompt, choice_sampling(sampling, i), echo, drop_output, share, i == 0)
+                        for i in range(req.n)]
     except APIError:
         state.telemetry.inc(m.REQUESTS, reason="error")  # refused before it started: counted all the same
         raise
@@ -525,6 +529,11 @@ class _Choice:
     sampling: Sampling
     echo: str | None = None  # completions' echo: the prompt's text, which the choice's text starts with
     drop_output: bool = False  # echo with max_tokens 0: the one token the workers generate is left out
+    share: PromptShare | None = None  # n > 1: the prompt's choices share its KV
+    leader: bool = True  # the choice that computes the prompt (the others wait for its worker)
+
+    def events(self, dispatcher: Dispatcher, request_id: str, deadline: float) -> AsyncIterator[TokenEvent]:
+        return dispatcher.generate(request_id, self.prompt, self.sampling, deadline, self.share, self.leader)
 
     def assembler(self, tok: Tokenizer) -> TextAssembler:
         return TextAssembler(tok, self.prompt, self.sampling.stop, echo=self.echo, drop_output=self.drop_output,
@@ -625,10 +634,11 @@ async def _collect(request: Request, events: AsyncIterator[TokenEvent], asm: Tex
 async def _collect_n(state: RouterState, request: Request, request_id: str, choices: list[_Choice], deadline: float,
                      tok: Tokenizer, shape: Shape, arrival: float, prompt_tokens: int) -> Response:
     """n > 1 or a batch of prompts (not streamed): the choices' generations side by side, one answer. Each
-    is a request to the workers of its own; a worker's prefix cache shares a prompt's full KV blocks
-    between those it serves. Seeded: a prompt's choice i uses seed + i, so they differ and repeat."""
+    is a request to the workers of its own; a prompt's choices after the first run where the first
+    decodes and share its KV there (dispatch.PromptShare). Seeded: a prompt's choice i uses seed + i, so
+    they differ and repeat."""
     async def one(i: int, choice: _Choice) -> dict[str, Any]:
-        events = state.dispatcher.generate(f"{request_id}-{i}", choice.prompt, choice.sampling, deadline)
+        events = choice.events(state.dispatcher, f"{request_id}-{i}", deadline)
         timer = _Timer(state.telemetry, arrival, prompt_tokens, counted=i == 0)
         return await _collect_body(request, events, choice.assembler(tok), shape, timer, len(choice.prompt))
 
@@ -685,26 +695,29 @@ async def _stream_n(state: RouterState, request: Request, request_id: str, choic
                     arrival: float, prompt_tokens: int) -> Response:
     """n > 1 or a batch of prompts, streamed: the choices' chunks interleaved as they come, each with its
     index (as OpenAI's); one usage chunk (with include_usage) and [DONE] at the end."""
-    streams = [state.dispatcher.generate(f"{request_id}-{i}", c.prompt, c.sampling, deadline)
-               for i, c in enumerate(choices)]
+    streams = [c.events(state.dispatcher, f"{request_id}-{i}", deadline) for i, c in enumerate(choices)]
     timers = [_Timer(state.telemetry, arrival, prompt_tokens, counted=i == 0) for i in range(len(choices))]
     asms = [c.assembler(tok) for c in choices]
+    # The leaders' first events decide the status code; a sharing choice's first event waits for its leader
+    # to decode (its second event), so it is read in the choice's own stream.
     try:
-        firsts = await asyncio.gather(*(_first_event(request, events) for events in streams))
+        leaders = await asyncio.gather(*(_first_event(request, events)
+                                         for c, events in zip(choices, streams, strict=True) if c.leader))
     except APIError:
         for timer in timers:
             timer.done("error")
         await _Choices(streams).aclose()
         raise
-    if any(first is None for first in firsts):
+    if any(first is None for first in leaders):
         await _Choices(streams).aclose()
         raise errors.internal("the workers finished without producing a token")
+    led = iter(leaders)
+    firsts = [next(led) if c.leader else None for c in choices]
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     stop = asyncio.Event()
     bodies = [_stream(request, first, events, asm, shape, timer, prompt_tokens, False, index=i, final=False,
                       stop=stop)
-              for i, (first, events, asm, timer) in enumerate(zip(firsts, streams, asms, timers, strict=True))
-              if first is not None]
+              for i, (first, events, asm, timer) in enumerate(zip(firsts, streams, asms, timers, strict=True))]
     return _EventStream(_interleave(bodies, stop, shape, asms, prompt_tokens, include_usage), _Choices(streams),  # type: ignore[arg-type]
                         deadline)
 
@@ -743,13 +756,16 @@ async def _interleave(bodies: list[AsyncIterator[bytes]], stop: asyncio.Event, s
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _stream(request: Request, first: TokenEvent, events: AsyncIterator[TokenEvent], asm: TextAssembler,
+async def _stream(request: Request, first: TokenEvent | None, events: AsyncIterator[TokenEvent], asm: TextAssembler,
                   shape: Shape, timer: _Timer, prompt_tokens: int, include_usage: bool, index: int = 0,
                   final: bool = True, stop: asyncio.Event | None = None) -> AsyncIterator[bytes]:
-    """One choice's SSE chunks; `final`: the request's only stream, which ends with usage and [DONE]."""
+    """One choice's SSE chunks; `final`: the request's only stream, which ends with usage and [DONE].
+    `first` None: read it here (a choice sharing its leader's prompt; its errors become an error chunk)."""
     reason: str | None = None
     try:
-        ev: TokenEvent | None = first
+        ev: TokenEvent | None = first if first is not None else await anext(events, None)
+        if ev is None:
+            raise errors.internal("the workers finished without producing a token")
         is_first = handoff = True
         while ev is not None:
             timer.tokens(len(ev.token_ids))

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -80,6 +80,29 @@ class TokenEvent:
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+class PromptShare:
+    """The n choices of one prompt (n > 1) compute, ship and hold its KV once. The first choice (the leader)
+    goes the usual way; the others wait until it decodes on a worker, then run there as local prefills:
+    that worker's prefix cache (which registers the blocks a transfer delivered) serves the prompt's full
+    blocks, so each of them computes only the prompt's last partial block. Nothing is shared when the
+    leader ends before it decodes anywhere, the worker is gone by then, or the worker runs without a
+    prefix cache (--no-prefix-caching)."""
+
+    def __init__(self) -> None:
+        self._worker: asyncio.Future[WorkerState | None] = asyncio.get_running_loop().create_future()
+
+    def offer(self, worker: WorkerState | None) -> None:
+        if not self._worker.done():
+            self._worker.set_result(worker)
+
+    async def wait(self, deadline: float) -> WorkerState | None:
+        """The leader's worker, or None (the leader ended first, or the deadline came)."""
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._worker), timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            return None
+
+
 class WorkerLost(Exception):
     """A worker failed mid-request in a way another worker can make up for."""
 
@@ -110,15 +133,43 @@ class Dispatcher:
         await self.client.aclose()
 
     # --- public ---
-    async def generate(self, request_id: str, prompt: list[int], sampling: Sampling,
-                       deadline: float) -> AsyncIterator[TokenEvent]:
+    async def generate(self, request_id: str, prompt: list[int], sampling: Sampling, deadline: float,
+                       share: PromptShare | None = None, leader: bool = True) -> AsyncIterator[TokenEvent]:
+        """The request's token events, from whichever workers serve it. With `share` (n > 1), the leader
+        offers the worker that holds its prompt's KV once it decodes there, and each other choice waits
+        for that worker and runs on it (see PromptShare)."""
+        if share is None:
+            async with contextlib.aclosing(self._generate(request_id, prompt, sampling, deadline)) as events:
+                async for event in events:
+                    yield event
+            return
+        pinned = None if leader else await share.wait(deadline)
+        need = required_api_version(sampling)[0]
+        if pinned is not None and (pinned.role is None
+                                   or pinned.url not in {w.url for w in self._usable((pinned.role,), need)}):
+            pinned = None  # gone meanwhile: the choice takes the usual path
+        try:
+            async with contextlib.aclosing(self._generate(
+                    request_id, prompt, sampling, deadline, pinned=pinned,
+                    on_placed=share.offer if leader else None)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            if leader:
+                share.offer(None)  # ended before it decoded anywhere (or after: then a no-op)
+
+    async def _generate(self, request_id: str, prompt: list[int], sampling: Sampling, deadline: float,
+                        pinned: WorkerState | None = None,
+                        on_placed: Callable[[WorkerState], None] | None = None) -> AsyncGenerator[TokenEvent, None]:
+        """`pinned`: run on this worker (a local prefill there), not through placement; `on_placed`: called
+        with the worker that produces the tokens once its stream has given the first event."""
         generated: list[int] = []
         lost: dict[str, float] = {}  # decode workers this request lost, and when (see _pick_decode)
         restarts = again = 0
         first: tuple[TokenEvent, WorkerState, bool] | None = None
         rid = request_id  # a retry on another decode worker gets its own id (see below)
         need = required_api_version(sampling)  # every worker of this request honours all it asks for
-        while True:
+        while pinned is None:
             decode = await self._wait_for(lambda: self._pick_decode(lost, need[0]), deadline, need)
             if decode.role != "decode" or not self._usable(("prefill",), need[0]):
                 break
@@ -138,7 +189,9 @@ class Dispatcher:
                 restarts += 1
                 rid = f"{request_id}-r{restarts}"
                 log.warning("request %s: %s; starting over on another decode worker", request_id, exc)
-        if first is None:  # no prefill pool, or no prefill worker made it: the decode worker does it all
+        if pinned is not None:
+            decode = pinned
+        if first is None:  # pinned, no prefill pool, or no prefill worker made it: the decode worker does it all
             stream = self._generate_stream(decode, rid, prompt, sampling, deadline)
         else:
             event, decode, kv_ready = first
@@ -166,6 +219,9 @@ class Dispatcher:
                 async with contextlib.aclosing(stream):  # closed now, not when garbage-collected
                     async for event in stream:
                         generated += event.token_ids
+                        if on_placed is not None:  # the request runs on `decode` now, its prompt's KV there
+                            on_placed(decode)
+                            on_placed = None
                         yield event
                         if event.finish_reason is not None:
                             return
