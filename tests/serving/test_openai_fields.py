@@ -73,7 +73,7 @@ def _by_text(tokenizer: Any, ids: list[int], lps: list[float]) -> dict[str, floa
     return out
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_completion_top_logprobs_equal_transformers(mode: str, request: pytest.FixtureRequest, tokenizer: Any,
                                                     hf_logprobs: Callable[[list[int]], Any]) -> None:
     import torch
@@ -94,7 +94,7 @@ def test_completion_top_logprobs_equal_transformers(mode: str, request: pytest.F
         assert list(got.values()) == pytest.approx(list(expected.values()), abs=1e-4)
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_chat_top_logprobs_streamed_equal_whole(mode: str, request: pytest.FixtureRequest) -> None:
     stack: Stack = request.getfixturevalue(mode)
     kw: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True,
@@ -148,7 +148,7 @@ def _hf_greedy(model: Any, prompt: list[int], n: int, **kw: Any) -> list[int]:
 PENALTY_PROMPT = "A paged KV cache stores keys and values in blocks."
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 @pytest.mark.parametrize("setting", ["repetition", "presence-frequency"])
 def test_penalties_change_the_output_as_transformers(mode: str, setting: str, request: pytest.FixtureRequest,
                                                      tokenizer: Any, hf_model: Any) -> None:
@@ -170,7 +170,7 @@ def test_penalties_change_the_output_as_transformers(mode: str, setting: str, re
     assert choice.model_extra["token_ids"] == expected
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_logit_bias_forces_and_bans_tokens(mode: str, request: pytest.FixtureRequest, tokenizer: Any,
                                            hf_model: Any) -> None:
     stack: Stack = request.getfixturevalue(mode)
@@ -223,7 +223,7 @@ def test_tokenizer_endpoints_refuse_bad_input(mono: Stack, path: str, body: dict
     assert resp.status_code == status and resp.json()["error"]["param"] == param, resp.text
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_n_choices(mode: str, request: pytest.FixtureRequest) -> None:
     stack: Stack = request.getfixturevalue(mode)
     kw: dict[str, Any] = {"model": "tiny", "prompt": PENALTY_PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 7,
@@ -241,7 +241,7 @@ def test_n_choices(mode: str, request: pytest.FixtureRequest) -> None:
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_n_choices_streamed_equal_whole(mode: str, request: pytest.FixtureRequest) -> None:
     stack: Stack = request.getfixturevalue(mode)
     kw: dict[str, Any] = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 1.0, "seed": 11,
@@ -266,7 +266,7 @@ def test_n_limits(mono: Stack) -> None:
         assert info.value.body["param"] == "n"  # type: ignore[index]
 
 
-@pytest.mark.parametrize("mode", ["disagg", "mono"])
+@pytest.mark.parametrize("mode", ["disagg", "mono", "chunked"])
 def test_min_tokens_holds_off_eos(mode: str, request: pytest.FixtureRequest, tokenizer: Any) -> None:
     stack: Stack = request.getfixturevalue(mode)
     eos = min(tokenizer.eos_token_ids)
