@@ -541,7 +541,9 @@ class _Choice:
 
 
 def _push(asm: TextAssembler, ev: TokenEvent) -> Delta:
-    """An event's tokens into a choice's text; the prompt's logprobs (echo) come with the first."""
+    """An event's tokens into a choice's text; the prompt's logprobs (echo) and cached tokens come with the first."""
+    if asm.num_cached_tokens is None and not asm.token_ids:
+        asm.num_cached_tokens = ev.num_cached_tokens
     if ev.prompt_logprobs is not None:
         asm.prompt_logprobs, asm.prompt_top_logprobs = ev.prompt_logprobs, ev.prompt_top_logprobs
     elif asm.want_prompt_logprobs and asm.prompt_logprobs is None:
@@ -647,7 +649,16 @@ async def _collect_n(state: RouterState, request: Request, request_id: str, choi
             tasks = [group.create_task(one(i, choice)) for i, choice in enumerate(choices)]
     except* APIError as failed:
         raise failed.exceptions[0] from None
-    return JSONResponse(merge_choices([t.result() for t in tasks], prompt_tokens))
+    answers = [t.result() for t in tasks]
+    cached = _cached_tokens(choices, [a["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+                                      for a in answers])
+    return JSONResponse(merge_choices(answers, prompt_tokens, cached))
+
+
+def _cached_tokens(choices: list[_Choice], values: list[int | None]) -> int | None:
+    """A request's cached prompt tokens: each prompt's once, its leading choice's (None when a worker did not say)."""
+    leading = [v for c, v in zip(choices, values, strict=True) if c.leader]
+    return None if any(v is None for v in leading) else sum(v for v in leading if v is not None)
 
 
 async def _collect_body(request: Request, events: AsyncIterator[TokenEvent], asm: TextAssembler, shape: Shape,
@@ -718,11 +729,12 @@ async def _stream_n(state: RouterState, request: Request, request_id: str, choic
     bodies = [_stream(request, first, events, asm, shape, timer, prompt_tokens, False, index=i, final=False,
                       stop=stop)
               for i, (first, events, asm, timer) in enumerate(zip(firsts, streams, asms, timers, strict=True))]
-    return _EventStream(_interleave(bodies, stop, shape, asms, prompt_tokens, include_usage), _Choices(streams),  # type: ignore[arg-type]
+    return _EventStream(_interleave(bodies, stop, shape, asms, choices, prompt_tokens, include_usage), _Choices(streams),  # type: ignore[arg-type]
                         deadline)
 
 
 async def _interleave(bodies: list[AsyncIterator[bytes]], stop: asyncio.Event, shape: Shape, asms: list[TextAssembler],
+                      choices: list[_Choice],
                       prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
     queue: asyncio.Queue[bytes | None] = asyncio.Queue()
 
@@ -743,7 +755,8 @@ async def _interleave(bodies: list[AsyncIterator[bytes]], stop: asyncio.Event, s
             else:
                 yield chunk
         if include_usage:
-            yield sse(usage_chunk(shape, prompt_tokens, sum(asm.num_tokens for asm in asms)))
+            yield sse(usage_chunk(shape, prompt_tokens, sum(asm.num_tokens for asm in asms),
+                                  _cached_tokens(choices, [asm.num_cached_tokens for asm in asms])))
         yield sse("[DONE]")
     finally:
         # The choices stop at their next event, as a single stream stops when its client leaves: cancelled, one
@@ -788,7 +801,7 @@ async def _stream(request: Request, first: TokenEvent | None, events: AsyncItera
                 ev = await anext(events, None)
             handoff = False
         if include_usage:
-            yield sse(usage_chunk(shape, prompt_tokens, asm.num_tokens))
+            yield sse(usage_chunk(shape, prompt_tokens, asm.num_tokens, asm.num_cached_tokens))
     except APIError as exc:
         yield sse(exc.body())
     finally:

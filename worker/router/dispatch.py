@@ -78,6 +78,7 @@ class TokenEvent:
     # likely (token id, logprob) pairs (protocol.PrefillResponse); the first token has none.
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    num_cached_tokens: int | None = None  # the prompt tokens the worker's prefix cache served (usage)
 
 
 class PromptShare:
@@ -402,7 +403,7 @@ class Dispatcher:
             event = TokenEvent([resp.first_token_id], [resp.logprob] if resp.logprob is not None else None,
                                self._finish_after_first(resp.first_token_id, sampling),
                                [resp.top_logprobs] if resp.top_logprobs is not None else None,
-                               resp.prompt_logprobs, resp.prompt_top_logprobs)
+                               resp.prompt_logprobs, resp.prompt_top_logprobs, resp.num_cached_tokens)
             if reservation is not None and not kv_ready and not decode.usable and event.finish_reason is None:
                 # Its /decode would only wait out the stall timeout: start over instead.
                 raise self._abandon(decode, request_id, deadline, "stopped answering and the KV did not reach it")
@@ -589,7 +590,7 @@ class Dispatcher:
                     if chunk.token_ids or reason:
                         last_token = time.monotonic()
                         yield TokenEvent(chunk.token_ids, chunk.logprobs, reason, chunk.top_logprobs,
-                                         chunk.prompt_logprobs, chunk.prompt_top_logprobs)
+                                         chunk.prompt_logprobs, chunk.prompt_top_logprobs, chunk.num_cached_tokens)
                     if reason is None and time.monotonic() >= deadline:
                         raise errors.timeout("the request's deadline passed before it finished")
         except (httpx.HTTPError, ValidationError, json.JSONDecodeError) as exc:

@@ -25,9 +25,14 @@ class Shape:
         self.created = int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; `cached_tokens`: the prompt tokens a prefix cache served (prompt_tokens_details), when
+    the workers said (None: a worker before control API 5 answered)."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 def _logprobs(shape: Shape, asm: TextAssembler, delta: Delta) -> dict[str, Any] | None:
@@ -114,10 +119,11 @@ def stream_chunk(shape: Shape, asm: TextAssembler, delta: Delta, first: bool, in
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model, "choices": [choice]}
 
 
-def usage_chunk(shape: Shape, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def usage_chunk(shape: Shape, prompt_tokens: int, completion_tokens: int,
+                cached_tokens: int | None = None) -> dict[str, Any]:
     obj = "chat.completion.chunk" if shape.chat else "text_completion"
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model, "choices": [],
-            "usage": usage(prompt_tokens, completion_tokens)}
+            "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
 
 def full_response(shape: Shape, asm: TextAssembler, deltas: list[Delta], finish_reason: str | None,
@@ -134,18 +140,21 @@ def full_response(shape: Shape, asm: TextAssembler, deltas: list[Delta], finish_
     if shape.token_ids:
         choice["token_ids"] = list(asm.token_ids)
     return {"id": shape.id, "object": obj, "created": shape.created, "model": shape.model, "choices": [choice],
-            "usage": usage(prompt_tokens, asm.num_tokens)}
+            "usage": usage(prompt_tokens, asm.num_tokens, asm.num_cached_tokens)}
 
 
-def merge_choices(answers: list[dict[str, Any]], prompt_tokens: int | None = None) -> dict[str, Any]:
+def merge_choices(answers: list[dict[str, Any]], prompt_tokens: int | None = None,
+                  cached_tokens: int | None = None) -> dict[str, Any]:
     """n answers to one prompt (full_response each) as one answer with n choices: the first one's id,
-    choices indexed 0..n-1, the prompt counted once (or `prompt_tokens`: a batch's prompts, each once) and
-    the completions' tokens summed."""
+    choices indexed 0..n-1, the prompt counted once (or `prompt_tokens`: a batch's prompts, each once; and
+    `cached_tokens`, theirs) and the completions' tokens summed."""
     merged = dict(answers[0])
     merged["choices"] = [{**a["choices"][0], "index": i} for i, a in enumerate(answers)]
     completion = sum(a["usage"]["completion_tokens"] for a in answers)
-    merged["usage"] = usage(answers[0]["usage"]["prompt_tokens"] if prompt_tokens is None else prompt_tokens,
-                            completion)
+    if prompt_tokens is None:
+        prompt_tokens = answers[0]["usage"]["prompt_tokens"]
+        cached_tokens = answers[0]["usage"].get("prompt_tokens_details", {}).get("cached_tokens")
+    merged["usage"] = usage(prompt_tokens, completion, cached_tokens)
     return merged
 
 

@@ -174,6 +174,7 @@ class TextAssembler:
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     offset: int = 0  # characters of the tokens listed in logprobs so far (completions' text_offset)
+    num_cached_tokens: int | None = None  # from the first event: the prompt tokens a prefix cache served
     _pending: str = ""
     _detok: Any = field(default=None)
 

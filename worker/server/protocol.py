@@ -175,6 +175,7 @@ class PrefillResponse(BaseModel):
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     num_prompt_tokens: int
+    num_cached_tokens: int | None = None  # prompt tokens the prefix cache served (None: a worker before it said)
     kv_sent: bool  # False: the transfer failed; decode must prefill locally
     error: str | None = None
 
@@ -208,6 +209,8 @@ class StreamChunk(BaseModel):
     finished: bool = False
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    # Prompt tokens the prefix cache served, on every chunk (the router reads the first); None: an older worker.
+    num_cached_tokens: int | None = None
     error: str | None = None  # set with finished=True when the worker gave up on the request
     # With error: the failure is this request's own (its sampling failed, its logits were NaN...), the
     # same on any worker. The router fails the request alone; it neither migrates it nor marks the

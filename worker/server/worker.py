@@ -351,7 +351,8 @@ class WorkerServer:
                 chunk = StreamChunk(token_ids=list(out.new_token_ids), logprobs=out.logprobs,
                                     top_logprobs=out.top_logprobs, prompt_logprobs=out.prompt_logprobs,
                                     prompt_top_logprobs=out.prompt_top_logprobs, finished=out.finished,
-                                    finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens)
+                                    finish_reason=out.finish_reason, num_prompt_tokens=out.num_prompt_tokens,
+                                    num_cached_tokens=out.num_cached_tokens)
                 yield chunk.model_dump_json().encode() + b"\n"
                 if out.finished:
                     finished = True
@@ -589,7 +590,7 @@ class WorkerServer:
                                    logprob=out.logprobs[0] if out.logprobs else None,
                                    top_logprobs=out.top_logprobs[0] if out.top_logprobs else None,
                                    prompt_logprobs=out.prompt_logprobs, prompt_top_logprobs=out.prompt_top_logprobs,
-                                   num_prompt_tokens=out.num_prompt_tokens,
+                                   num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
                                    kv_sent=shipping and ship_error is None, error=ship_error)
         except TimeoutError:
             raise Rejected(504, "the prefill deadline passed") from None
