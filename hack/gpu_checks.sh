@@ -7,8 +7,9 @@
 # operator/) instead of being installed. Each step's output goes to $OUT (8 files at most come back);
 # a failing step does not stop the next one; the exit status is the number of steps that failed.
 # GPU_CHECKS="name ..." runs only the steps named. The whole list is more than one run's 570 s and 8
-# files back, so the goodput step runs on its own:
+# files back, so the goodput and profile steps run on their own:
 #   run(command="GPU_CHECKS=goodput bash hack/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=560)
+#   run(command="GPU_CHECKS=profile bash hack/gpu_checks.sh", carry=[".gpu-wheels"], timeout_s=300)
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT=${OUT:-$PWD/out/gpu}
@@ -60,6 +61,23 @@ if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/de
     --kv-cache-mib 4096 --max-probes 4 --probe-seconds 10 --probe-max-requests 400 --json "$OUT/goodput.json"
 else  # a dry run here: the CPU figures come from the same script without --device cuda (docs/benchmarks.md)
   echo "== goodput: skipped (no CUDA device)" | tee -a "$OUT/summary.txt"
+fi
+# The GPU capacity profile (docs/autoscaling.md, "Measuring a profile"): `tandem profile` starts one worker
+# of the goodput step's ~0.6B random-weight model (hack/bench_interference.py MODELS["gpu"]) in bfloat16
+# and measures it, bounded (about 150 requests); profile.json is what `tandem plan --profile` reads (copy
+# it to deploy/profiles/). The log has the progress; the worker's own log stays on the machine.
+if python3 -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  gpu_model=/tmp/tandem-profile-gpu-model
+  if [ -z "${GPU_CHECKS:-}" ] || [[ " $GPU_CHECKS " == *" profile "* ]]; then  # the step below runs: its model
+    timeout 120 python3 -c 'import sys; from pathlib import Path; sys.path.insert(0, "hack")
+from bench_interference import MODELS, write_model
+write_model(Path(sys.argv[1]), MODELS["gpu"])' "$gpu_model" || echo "could not write the profile's model"
+  fi
+  step profile 240 python3 -m tandem.worker.cli profile --model "$gpu_model" --device cuda --dtype bfloat16 \
+    --prompt-lengths 256,1024,2048 --batch-sizes 1,8,32 --contexts 512,2048 --decode-tokens 64 --repeats 2 \
+    --startup-timeout 150 --log-dir /tmp/tandem-profile-logs --out "$OUT/profile.json"
+else  # a dry run here: the CPU profile of the tiny model is measured the same way (docs/autoscaling.md)
+  echo "== profile: skipped (no CUDA device)" | tee -a "$OUT/summary.txt"
 fi
 echo "== $failed step(s) failed" | tee -a "$OUT/summary.txt"
 exit "$failed"

@@ -21,6 +21,12 @@ class CapacityError(ValueError):
     """A profile or load that cannot be sized (bad numbers, or no size meets the SLO)."""
 
 
+# Keys a profile file may hold beside the Profile's fields, which reading it skips: what `tandem profile`
+# measured (its raw tables and fits) and how (model, device, dtype, date, version, command). Any other
+# key is still refused, so a misspelt field cannot fall back to its default without a word.
+INFORMATIONAL_KEYS = frozenset({"metadata", "measurements"})
+
+
 @dataclass(frozen=True)
 class Profile:
     """What one replica of a model does on one kind of GPU (measured, or a roofline estimate)."""
@@ -51,11 +57,12 @@ class Profile:
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> Profile:
         known = {f.name for f in fields(Profile)}
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known - INFORMATIONAL_KEYS)
         if unknown:
-            raise CapacityError(f"unknown profile fields {unknown}; expected some of {sorted(known)}")
+            raise CapacityError(f"unknown profile fields {unknown}; expected some of {sorted(known)} "
+                                f"(and, not read, {sorted(INFORMATIONAL_KEYS)})")
         try:
-            return Profile(**dict(data))
+            return Profile(**{key: value for key, value in data.items() if key in known})
         except TypeError as exc:
             raise CapacityError(f"incomplete profile: {exc}") from None
 

@@ -19,6 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "router": ("tandem.worker.commands.router", "Run the OpenAI-compatible router.", "issue 5"),
     "bench": ("tandem.worker.commands.bench", "Load-test an OpenAI endpoint (TTFT, ITL, goodput).", "issue 5"),
     "plan": ("tandem.worker.commands.plan", "Size the prefill and decode pools for a load and its SLOs.", "issue 19"),
+    "profile": ("tandem.worker.commands.profile", "Measure one worker into a capacity profile (for plan).", "issue 19"),
     "doctor": ("tandem.worker.commands.doctor", "Say which KV transports, GPUs and links work here.", "issue 5"),
     "operator": ("tandem.operator.main", "Run the Kubernetes operator (kopf).", "issue 3"),
     "kv-keys": ("tandem.worker.commands.kv_keys", "Write a keypair for secure KV transfer (--kv-keys).", "issue 3"),
