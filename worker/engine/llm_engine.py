@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..config import EngineConfig
+from ..kv.events import EventBatch
 from ..kv.layout import KVLayout
 from ..kv.manager import KVCacheManager, blocks_for
 from ..model.config import ModelConfig
@@ -142,6 +143,11 @@ class LLMEngine:
         """Stop the tensor-parallel followers (nothing to do for a single-process engine)."""
         if self.tp is not None:
             self.tp.close()
+
+    def kv_events(self, cursor: int, epoch: str | None) -> EventBatch:
+        """What the prefix cache stored and evicted after `cursor` (kv/events.py), for the router's picture."""
+        pool = self.kv.pool
+        return pool.events.read(cursor, epoch, pool.cached.keys())
 
     def check_health(self) -> None:
         """Raise TensorParallelError if a tensor-parallel rank has died (cheap: the worker calls it while idle,

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from .events import KVEventLog
 from .prefix_hash import BlockHash
 
 
@@ -23,6 +24,7 @@ class BlockPool:
         self.block_hash: list[BlockHash | None] = [None] * num_blocks
         self.cached: dict[BlockHash, int] = {}
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.events = KVEventLog()  # what the index stored and forgot, for the router (events.py)
 
     @property
     def num_free(self) -> int:
@@ -68,14 +70,17 @@ class BlockPool:
             return
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        self.events.stored(block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block_hash, block in list(self.cached.items()):
             del self.cached[block_hash]
             self.block_hash[block] = None
+        self.events.cleared()
 
     def _forget(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
+            self.events.evicted(block_hash)

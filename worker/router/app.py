@@ -101,6 +101,7 @@ class RouterState:
         self.dispatcher = Dispatcher(self.registry, self.telemetry, set(), stall_timeout=cfg.stall_timeout,
                                      headers=self.control_headers, placement=cfg.placement,
                                      balance=cfg.placement_balance)
+        self.registry.on_kv_events = self.dispatcher.placer.observe_cache  # the workers' account of their caches
         self.control_refusals = RefusalLog("router call")
         self.admission = Admission(cfg.max_concurrent_requests, cfg.max_queued_requests, cfg.queue_timeout)
         self._tokenizer: Tokenizer | None = None

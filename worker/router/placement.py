@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from tandem.worker.kv.prefix_hash import BlockHash
 from tandem.worker.router.prefix_index import Claim, PrefixIndex
+from tandem.worker.server.protocol import KVEvents
 
 AFFINITY_SLACK_TOKENS = 2048
 AFFINITY_ENTRIES = 4096
@@ -187,6 +188,11 @@ class PrefillPlacer:
         """Its prefill failed, was refused or given up: the blocks only it put in the picture go. Does
         nothing after `prefilled`, so it can run in a `finally`."""
         self.index.release(placement.claim)
+
+    def observe_cache(self, url: str, events: KVEvents) -> None:
+        """A prefill worker's account of its prefix cache (GET /kv/events, read by the registry's poll)."""
+        snapshot = None if events.snapshot is None else [bytes.fromhex(h) for h in events.snapshot]
+        self.index.apply(url, [(kind == 1, bytes.fromhex(h)) for kind, h in events.stored_evicted], snapshot)
 
     def holder(self, hashes: Sequence[BlockHash]) -> str | None:
         """The worker the index says holds the longest prefix of these blocks (None: none holds any)."""

@@ -13,9 +13,12 @@ requests right behind it go where the prompt is being computed, and `confirm` ke
 prefill and no other claim still in flight holds. So a worker that never computed a prompt is not
 pictured holding it.
 
-What it cannot see: blocks the worker evicted earlier than modelled (running requests pin blocks the
-picture counts as cache), and traffic from other routers. Both make it optimistic, never wrong in
-output: a miss costs a recompute, not a wrong token.
+The workers' own account corrects it (`apply`, from GET /kv/events beside each poll, kv/events.py):
+the blocks a worker's cache stored (whoever sent the prompt: another router too) join its picture, those
+it evicted leave it (running requests pin blocks, so a worker evicts other blocks than an LRU of the
+pool would), and a snapshot replaces the picture's confirmed blocks when the worker restarted or the
+router fell behind its log. Between two polls the picture is the router's own guess; a wrong guess
+costs a recompute, never a wrong token.
 """
 
 from __future__ import annotations
@@ -107,6 +110,38 @@ class PrefixIndex:
             if not holders and lru is not None:
                 del lru[h]
                 self._drop(claim.url, h)
+
+    def apply(self, url: str, events: Iterable[tuple[bool, BlockHash]] = (),
+              snapshot: Iterable[BlockHash] | None = None) -> None:
+        """The worker's account of its cache: `snapshot` (every block it holds; the confirmed picture
+        becomes exactly that, claims in flight kept), then `events` in order ((stored, hash): True when
+        its cache stored the block, False when it evicted it)."""
+        lru = self._lru.setdefault(url, OrderedDict())
+        claims = self._claims.setdefault(url, {})
+        if snapshot is not None:
+            held = set(snapshot)
+            for h in [h for h in lru if h not in held and h not in claims]:
+                del lru[h]
+                self._drop(url, h)
+            for h in held:
+                if h not in lru:
+                    lru[h] = None
+                    lru.move_to_end(h, last=False)  # its place in the worker's LRU is not known: oldest
+                    self._holders.setdefault(h, set()).add(url)
+                claims.pop(h, None)  # computed there: confirmed, whatever the claims do
+        for stored, h in events:
+            if stored:
+                if h not in lru:
+                    self._holders.setdefault(h, set()).add(url)
+                lru[h] = None
+                lru.move_to_end(h)
+                claims.pop(h, None)
+            elif h in lru:
+                del lru[h]
+                self._drop(url, h)
+        limit = self._capacity.get(url)
+        while limit is not None and len(lru) > limit:
+            self._drop(url, lru.popitem(last=False)[0])
 
     def pending(self, url: str) -> int:
         """Blocks of `url`'s picture that only claims in flight hold."""

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import httpx
@@ -19,7 +19,7 @@ from pydantic import ValidationError
 
 from tandem.worker.router.discovery import Discovery
 from tandem.worker.router.placement import Candidate
-from tandem.worker.server.protocol import WorkerInfo
+from tandem.worker.server.protocol import KV_EVENTS_SINCE, KVEvents, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,8 @@ class WorkerState:
     other_queued_tokens: int = 0
     active: int = 0
     first_seen: float = field(default_factory=time.monotonic)
+    kv_cursor: int = 0  # where this router's reading of the worker's prefix-cache log stands (GET /kv/events)
+    kv_epoch: str | None = None
 
     @property
     def usable(self) -> bool:
@@ -101,6 +103,8 @@ class WorkerRegistry:
         self._task: asyncio.Task[None] | None = None
         self.changed = asyncio.Event()
         self._discover_soon = False  # set by discover_soon(): refresh at the next round, not the next interval
+        # Prefill workers' prefix-cache events, read beside each poll, go here (the placer's picture).
+        self.on_kv_events: Callable[[str, KVEvents], None] | None = None
 
     async def start(self) -> None:
         await self.refresh_discovery()
@@ -164,6 +168,27 @@ class WorkerRegistry:
         # Whatever was in flight at either end of the poll may be in the reported queue.
         w.observe(info, max(inflight_before, w.inflight_prefill_tokens))
         w.up, w.last_error, w.last_poll = True, None, time.monotonic()
+        if self.on_kv_events is not None and info.role == "prefill" and info.api_version >= KV_EVENTS_SINCE:
+            await self._read_kv_events(w, self.on_kv_events)
+
+    async def _read_kv_events(self, w: WorkerState, deliver: Callable[[str, KVEvents], None]) -> None:
+        params: dict[str, str | int] = {"since": w.kv_cursor}
+        if w.kv_epoch is not None:
+            params["epoch"] = w.kv_epoch
+        try:
+            resp = await self._client.get(f"{w.url}/kv/events", params=params)
+            resp.raise_for_status()
+            events = KVEvents.model_validate(resp.json())
+        except (httpx.HTTPError, ValidationError, ValueError) as exc:  # the next poll reads on from the cursor
+            log.debug("worker %s: no prefix-cache events this round: %s", w.url, exc)
+            return
+        try:
+            deliver(w.url, events)
+        except ValueError as exc:  # a hash that is not hex: read it all again (a snapshot) next time
+            log.warning("worker %s sent prefix-cache events that do not parse: %s", w.url, exc)
+            w.kv_cursor, w.kv_epoch = 0, None
+            return
+        w.kv_cursor, w.kv_epoch = events.next, events.epoch
 
     def discover_soon(self) -> None:
         """A request found no usable worker: look for new ones at the next poll round. In a rollout the new

@@ -100,6 +100,10 @@ def create_app(server: WorkerServer) -> FastAPI:
     async def info() -> dict[str, Any]:
         return server.info().model_dump()
 
+    @app.get("/kv/events")
+    async def kv_events(since: int = 0, epoch: str | None = None) -> dict[str, Any]:
+        return (await server.kv_events(since, epoch)).model_dump()
+
     @app.get("/tokenizer")
     async def tokenizer() -> Response:
         if server.engine is None:

@@ -17,7 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 # 2: streams carry heartbeats (blank lines); 3: a chunk's error may be the request's own (request_error);
 # 4: Sampling's grammar, penalties, logit_bias, min_tokens and top_logprobs (SAMPLING_FIELDS_SINCE);
 # 5: Sampling's prompt_logprobs (completions' echo), answered in PrefillResponse and the first StreamChunk
-CONTROL_API_VERSION = 5
+# 6: GET /kv/events (KVEvents): what the prefix cache stored and evicted, for the router's placement
+CONTROL_API_VERSION = 6
+KV_EVENTS_SINCE = 6
 STREAM_HEARTBEAT_S = 1.0
 
 # Ranges every caller of a worker is held to, the router included (it checks the same ones first, so a
@@ -217,6 +219,17 @@ class StreamChunk(BaseModel):
     # worker down. Without: the worker failed (its engine stopped), and the request may move.
     request_error: bool = False
     fallback: bool = False  # the decode worker prefilled locally (KV transfer failed)
+
+
+class KVEvents(BaseModel):
+    """GET /kv/events?since=CURSOR&epoch=EPOCH (kv/events.py): the prefix cache's block hashes (hex)
+    stored and evicted after the cursor, in order; or, when the worker's log cannot answer from that
+    cursor (too old, or another epoch: the worker restarted), `snapshot`, every hash it holds now."""
+
+    epoch: str
+    next: int  # the cursor for the next call
+    stored_evicted: list[tuple[int, str]] = Field(default_factory=list)  # (1 stored | 0 evicted, hash hex)
+    snapshot: list[str] | None = None
 
 
 class WorkerInfo(BaseModel):

@@ -29,6 +29,7 @@ from tandem.worker.server.protocol import (
     STREAM_HEARTBEAT_S,
     DecodeRequest,
     GenerateRequest,
+    KVEvents,
     PrefillRequest,
     PrefillResponse,
     ReserveRequest,
@@ -224,6 +225,15 @@ class WorkerServer:
                     log.exception("closing the KV transport")
 
     # --- status ---
+    async def kv_events(self, since: int, epoch: str | None) -> KVEvents:
+        """The prefix cache's events after `since` (the engine's log, read on its thread)."""
+        if self.loop is None:
+            raise Rejected(503, "the model is still loading" if self.load_error is None else self.load_error)
+        batch = await self.loop.acall(lambda engine: engine.kv_events(since, epoch))
+        return KVEvents(epoch=batch.epoch, next=batch.next,
+                        stored_evicted=[(kind, h.hex()) for kind, h in batch.events],
+                        snapshot=None if batch.snapshot is None else [h.hex() for h in batch.snapshot])
+
     def info(self) -> WorkerInfo:
         stats: dict[str, Any] = {}
         if self.loop is not None:
