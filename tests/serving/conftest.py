@@ -141,8 +141,11 @@ def hf_greedy(tiny_model: Path) -> Callable[[list[int], int], list[int]]:
 
     def greedy(prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
+            ids = torch.tensor([prompt])
+            # An explicit mask: without one transformers masks every pad_token_id (0), and 0 is the tiny
+            # model's BOS, which chat and token-id prompts start with.
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         return list(out[0, len(prompt):].tolist())
 
     return greedy

@@ -140,8 +140,9 @@ def _hf_greedy(model: Any, prompt: list[int], n: int, **kw: Any) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, **kw)
+        ids = torch.tensor([prompt])  # the mask explicit: pad_token_id 0 is also the tiny model's BOS
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, eos_token_id=None, pad_token_id=0, **kw)
     return list(out[0, len(prompt):].tolist())
 
 
