@@ -48,6 +48,9 @@ class Stack:
             except subprocess.TimeoutExpired:
                 os.killpg(self.popen.pid, signal.SIGKILL)
                 self.popen.wait(10)
+        state_file = self.log.parent / "state.json"  # tandem serve rewrites it when it restarts a worker
+        with contextlib.suppress(OSError, ValueError):
+            self.state = json.loads(state_file.read_text())
         for p in self.state.get("processes", []):  # never leave a worker behind, whatever happened
             with contextlib.suppress(ProcessLookupError, TypeError):
                 os.kill(p["pid"], signal.SIGKILL)
