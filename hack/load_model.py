@@ -437,21 +437,53 @@ class ModelSignals:
         return sig.PoolSignals(values, problems)
 
 
-def simulation_spec(args: argparse.Namespace, static: dict[str, int] | None = None) -> Any:
+def simulation_spec(args: argparse.Namespace, static: dict[str, int] | None = None, predictive: bool = False) -> Any:
+    """The DisaggregatedModel the simulated operator reads. `predictive`: both pools on policy predictive
+    with spec.capacityProfile from predictive_profile (down window --predict-down-window)."""
     from tandem.operator.api import DisaggregatedModelSpec
 
     def pool(role: str, target: dict[str, float]) -> dict[str, Any]:
         auto = {"enabled": static is None, "minReplicas": 1, "maxReplicas": args.max_replicas,
-                "scaleDownStabilizationSeconds": args.down_window, **target}
+                "scaleDownStabilizationSeconds": round(args.predict_down_window if predictive else args.down_window),
+                **({"policy": "predictive"} if predictive else {}), **target}
         return {"replicas": (static or {}).get(role, 1), "autoscaling": auto}
 
+    extra: dict[str, Any] = {}
+    if predictive:
+        prof = predictive_profile(args)
+        extra["capacityProfile"] = {"prefillTokensPerSecond": prof.prefill_tps, "kvTokens": prof.kv_tokens,
+                                    "itlBaseSeconds": prof.itl_base_s, "itlPerRequestSeconds": prof.itl_per_seq_s,
+                                    "startupSeconds": prof.startup_s}
     return DisaggregatedModelSpec.model_validate({
         "model": {"name": args.model, "source": {"path": "/models/sim"}},
         "prefill": pool("prefill", {"targetQueueDepth": args.target_queue}),
         "decode": pool("decode", {"targetKVUtilization": args.target_kv}),
         "slo": {"ttftMs": args.ttft_slo_ms, "itlMs": args.itl_slo_ms},
         "ratio": {"minPrefillPerDecode": args.min_ratio, "maxPrefillPerDecode": args.max_ratio},
+        **extra,
     })
+
+
+class ModelArrivals:
+    """ArrivalSource: the values signals.arrival_queries would give, set by the simulation each tick."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, float] = {}
+
+    def set(self, tps: float, slope: float, rps: float, mean_prompt: float, mean_output: float,
+            backlog_tokens: float, decode_waiting: int, busy_tps: float | None) -> None:
+        from tandem.operator import signals as sig
+
+        self.values = {sig.ARRIVAL_PROMPT_TPS: tps, sig.ARRIVAL_PROMPT_TREND: slope, sig.ARRIVAL_REQUEST_RATE: rps,
+                       sig.ARRIVAL_OUTPUT_TPS: rps * mean_output, sig.ARRIVAL_FINISHED_RATE: rps,
+                       sig.ARRIVAL_BACKLOG_TOKENS: backlog_tokens, sig.ARRIVAL_DECODE_WAITING: float(decode_waiting)}
+        if busy_tps is not None:
+            self.values[sig.ARRIVAL_PREFILL_BUSY_TPS] = busy_tps
+
+    def fetch_arrivals(self, namespace: str, resource: str) -> Any:
+        from tandem.operator import signals as sig
+
+        return sig.PoolSignals(dict(self.values), {})
 
 
 class ArrivalWindow:
@@ -514,16 +546,15 @@ def predictive_profile(args: argparse.Namespace) -> Any:
 
 def simulate(args: argparse.Namespace, static: dict[str, int] | None = None, policy: str = "current") -> dict[str, Any]:
     """Run the closed loop. `static` pins the pools (autoscaling off) for a baseline; otherwise
-    `policy` is current (the operator's timer body), hpa (plain Kubernetes HPA on queue depth and
-    KV usage), predictive (tandem.operator.predictive_policy) or oracle (the predictive sizing
-    fed the arrivals one pod start + one interval ahead: a bound, not a policy)."""
-    from tandem.operator import predictive_policy as pp
+    `policy` is current (the operator's timer body, reactive), hpa (plain Kubernetes HPA on queue depth and
+    KV usage), predictive (the same timer body with both pools on policy predictive: the operator's
+    predictive path, fed what the arrival queries would return) or oracle (that path fed the arrivals
+    one pod start + one interval ahead: a bound, not a policy)."""
     from tandem.operator.autoscaler_timer import PoolCounts, autoscale_tick
-    from tandem.operator.capacity_model import Slo
 
     trace = load_trace(args.trace, args.time_scale, args.length_scale, args.limit, args.step_shape)
     model = LoadModel(trace, _capacity(args))
-    spec = simulation_spec(args, static)
+    spec = simulation_spec(args, static, predictive=static is None and policy in ("predictive", "oracle"))
     cluster = SimCluster({"prefill": args.capacity_prefill, "decode": args.capacity_decode}, args.startup)
     desired = dict(static) if static else initial_sizes(args, trace)
     for role in ROLES:
@@ -533,10 +564,7 @@ def simulate(args: argparse.Namespace, static: dict[str, int] | None = None, pol
     status: dict[str, Any] = {r: {"desiredReplicas": desired[r]} for r in ROLES}
     state: dict[str, Any] | None = None
     hpa_history: dict[str, list[tuple[float, int]]] = {r: [] for r in ROLES}
-    pstate = pp.State()
-    psettings = pp.Settings(lookahead_s=args.startup + args.interval, max_replicas=args.max_replicas,
-                            down_window_s=args.predict_down_window, prefill_utilization=args.predict_utilization)
-    profile, slo = predictive_profile(args), Slo(args.ttft_slo_ms / 1000, args.itl_slo_ms / 1000)
+    source = ModelArrivals()
     busy, last_prefilled = True, 0.0  # the prefill queue never emptied since the last tick
     timeline: list[dict[str, Any]] = []
     replica_s = {r: 0.0 for r in ROLES}
@@ -551,31 +579,28 @@ def simulate(args: argparse.Namespace, static: dict[str, int] | None = None, pol
             signals.now = now
             events: list[str] = []
             snap = model.snapshot
-            if static is not None or policy == "current":
-                counts = {r: PoolCounts(ready[r], max(desired[r] - cluster.capacity[r], 0)) for r in ROLES}
-                result = autoscale_tick(spec=spec, status=status, namespace="sim", name="sim", counts=counts,
-                                        signals=signals, clock=lambda at=now: at, state=state)
-                state = result.state
-                new = dict(result.desired)
-                events = [e.reason for e in result.events]
-            elif policy == "hpa":
+            counts = {r: PoolCounts(ready[r], max(desired[r] - cluster.capacity[r], 0)) for r in ROLES}
+            if policy == "hpa" and static is None:
                 values = {"prefill": snap.queue_requests / ready["prefill"] if ready["prefill"] else None,
                           "decode": snap.kv_used_ratio if ready["decode"] else None}
                 targets = {"prefill": args.target_queue, "decode": args.target_kv}
                 new = {r: min(args.max_replicas, hpa_desired(ready[r], desired[r], values[r], targets[r],
                                                              hpa_history[r], now, args.down_window)) for r in ROLES}
             else:
-                # oracle: the same sizing fed the arrivals of the window that ends when pods
-                # placed now are ready and one interval has passed (a bound no causal policy beats).
-                ahead = now + args.startup + args.interval if policy == "oracle" else now
-                tps, slope, rps, mp, mo = arrivals.load(ahead)
-                done = model.prefilled_tokens - last_prefilled
-                seen = done / (ready["prefill"] * args.interval) if busy and ready["prefill"] and now > 0 else None
-                waiting = sum(p + o for _, p, o, _ in model.waiting)
-                load = pp.Load(tps, slope, rps, mp or 1.0, mo or 1.0, snap.queue_tokens, waiting, seen)
-                sizes = pp.size(profile, slo, load, (desired["prefill"], desired["decode"]), now, pstate, psettings)
-                pstate = sizes.state
-                new = {"prefill": sizes.prefill, "decode": sizes.decode}
+                if policy in ("predictive", "oracle"):
+                    # What the arrival queries would return now (oracle: at the end of the window that ends
+                    # when pods placed now are ready and one interval has passed: a bound no causal policy beats).
+                    ahead = now + args.startup + args.interval if policy == "oracle" else now
+                    tps, slope, rps, mp, mo = arrivals.load(ahead)
+                    done = model.prefilled_tokens - last_prefilled
+                    seen = done / (ready["prefill"] * args.interval) if busy and ready["prefill"] and now > 0 else None
+                    source.set(tps, slope, rps, mp, mo, snap.queue_tokens, len(model.waiting), seen)
+                result = autoscale_tick(spec=spec, status=status, namespace="sim", name="sim", counts=counts,
+                                        signals=signals, clock=lambda at=now: at, state=state, arrivals=source,
+                                        interval_s=args.interval)
+                state = result.state
+                new = dict(result.desired)
+                events = [e.reason for e in result.events]
             last_prefilled, busy = model.prefilled_tokens, True
             for r, n in new.items():
                 desired[r] = n
@@ -708,7 +733,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-ratio", type=float, default=4.0)
     s.add_argument("--profile-error", type=float, default=1.0,
                    help="the predictive policy's profile has prefill throughput x this (tests self-correction)")
-    s.add_argument("--predict-utilization", type=float, default=0.8, help="predictive: prefill busy fraction")
     s.add_argument("--predict-down-window", type=float, default=120.0, help="predictive: scale-down window, s")
     s.add_argument("--predict-burst", action=argparse.BooleanOptionalAction, default=True,
                    help="predictive: size for the busiest quarter of the rate window, not its mean")

@@ -637,6 +637,7 @@ class PodTemplateSpec(ApiModel):
 
 
 AutoscalingMode = Literal["tandem", "external"]
+AutoscalingPolicy = Literal["reactive", "predictive"]
 
 
 class AutoscalingSpec(ApiModel):
@@ -668,6 +669,13 @@ class AutoscalingSpec(ApiModel):
         description="Who scales the pool while enabled: tandem (Tandem's autoscaler, on the pool's signal) or "
         "external (spec.replicas of the pool's DisaggregatedPool <name>-<pool>, which kubectl scale, an HPA "
         "or a KEDA ScaledObject drive through its scale subresource). One owner at a time.",
+    )
+    policy: AutoscalingPolicy = Field(
+        default="reactive",
+        description="How mode tandem sizes the pool: reactive (from its own queue or KV signal, against the "
+        "target) or predictive (from the arrival rates the router measures, spec.capacityProfile and spec.slo, "
+        "ahead of a rising trend; falls back to reactive, saying so in scaleReason, while an arrival signal is "
+        "missing). predictive needs spec.capacityProfile.",
     )
     min_replicas: int = Field(
         default=1, ge=0, le=1000,
@@ -883,6 +891,40 @@ class RatioSpec(ApiModel):
     max_prefill_per_decode: float = Field(default=8.0, gt=0, le=100, description="Most prefill replicas per decode replica.")
 
 
+class CapacityProfileSpec(ApiModel):
+    """What one replica does (tandem.operator.capacity_model.Profile, as `tandem profile` writes it, in
+    camelCase): the predictive autoscaling policy sizes the pools from it."""
+
+    prefill_tokens_per_second: float = Field(
+        gt=0, le=1e9, allow_inf_nan=False, description="Prompt tokens/s one prefill replica ingests (prefill_tps).")
+    kv_tokens: float = Field(gt=0, le=1e12, allow_inf_nan=False,
+                             description="KV-cache tokens one decode replica holds (kv_tokens).")
+    itl_base_seconds: float = Field(gt=0, le=60, allow_inf_nan=False,
+                                    description="Decode step time at batch 1, seconds (itl_base_s).")
+    itl_per_request_seconds: float = Field(
+        ge=0, le=60, allow_inf_nan=False,
+        description="Step time added per running request on a decode replica, seconds (itl_per_seq_s).")
+    startup_seconds: float = Field(
+        default=30.0, ge=0, le=3600, allow_inf_nan=False,
+        description="Pod placement to ready, seconds (startup_s): how far ahead a rising trend is followed "
+        "(plus one autoscaler interval).")
+
+
+def _uses_predictive(spec: DisaggregatedModelSpec) -> bool:
+    return any(spec.pool(p).autoscaling.policy == "predictive" for p in ("prefill", "decode"))
+
+
+PREDICTIVE_NEEDS_PROFILE = CrossFieldRule(
+    cel="has(self.capacityProfile) || ((!has(self.prefill) || !has(self.prefill.autoscaling) || "
+        "!has(self.prefill.autoscaling.policy) || self.prefill.autoscaling.policy != 'predictive') && "
+        "(!has(self.decode) || !has(self.decode.autoscaling) || !has(self.decode.autoscaling.policy) || "
+        "self.decode.autoscaling.policy != 'predictive'))",
+    message="autoscaling policy predictive needs spec.capacityProfile (what one replica does: `tandem profile`)",
+    check=lambda s: s.capacity_profile is not None or not _uses_predictive(s),
+    field_path=".capacityProfile",
+)
+
+
 # The model sources the operator mounts at MODEL_MOUNT_ROOT (CEL over the spec, and the same in Python).
 MODEL_VOLUME_CEL = "has(self.model.source.pvc) || has(self.model.source.uri) || has(self.model.source.huggingFace)"
 
@@ -912,7 +954,7 @@ def _model_mount_rule(pool: PoolName) -> CrossFieldRule:
 class DisaggregatedModelSpec(ApiModel):
     """One model served by a prefill pool, a decode pool and a router."""
 
-    cross_field_rules = (_model_mount_rule("prefill"), _model_mount_rule("decode"))
+    cross_field_rules = (_model_mount_rule("prefill"), _model_mount_rule("decode"), PREDICTIVE_NEEDS_PROFILE)
 
     model: ModelSpec = Field(description="The model to serve.")
     image: str = Field(default=DEFAULT_IMAGE, min_length=1, max_length=512, description="Container image with the `tandem` command.")
@@ -923,6 +965,9 @@ class DisaggregatedModelSpec(ApiModel):
     router: RouterSpec = Field(default_factory=lambda: RouterSpec(), description="The router.")
     slo: SloSpec = Field(default_factory=lambda: SloSpec(), description="Latency objectives.")
     ratio: RatioSpec = Field(default_factory=lambda: RatioSpec(), description="Prefill/decode ratio bounds.")
+    capacity_profile: CapacityProfileSpec | None = Field(
+        default=None, description="What one replica does, for autoscaling policy predictive. Unset: no pool may "
+        "use policy predictive.")
 
     def pool(self, name: PoolName) -> PrefillPoolSpec | DecodePoolSpec:
         return self.prefill if name == "prefill" else self.decode

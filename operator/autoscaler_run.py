@@ -26,6 +26,7 @@ from tandem.operator import builders, conditions, output_check, pool_scale
 from tandem.operator import signals as sig
 from tandem.operator.api import API_VERSION, KIND, POOLS
 from tandem.operator.autoscaler_timer import (
+    DEFAULT_INTERVAL_S,
     SCALING_ACTIVE,
     AutoscalerMetrics,
     AutoscalerSettings,
@@ -69,7 +70,8 @@ def _status_patch(result: TickResult) -> dict[str, Any]:
 
 
 def autoscale_resource(kube: Kube, namespace: str, name: str, signals: sig.SignalSource, emit: EventSink,
-                       metrics: AutoscalerMetrics, clock: Callable[[], float] = time.time) -> AutoscaleOutcome | None:
+                       metrics: AutoscalerMetrics, clock: Callable[[], float] = time.time,
+                       interval_s: float = DEFAULT_INTERVAL_S) -> AutoscaleOutcome | None:
     """One tick for one resource; None when there is nothing to do (gone, invalid, or never autoscaled)."""
     body = kube.get(API_VERSION, KIND, namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
@@ -90,7 +92,8 @@ def autoscale_resource(kube: Kube, namespace: str, name: str, signals: sig.Signa
     state: dict[str, Any] = {p: (old_status.get(p) or {}).get("autoscalerState") for p in autoscaled}
     # Signals are fetched outside the reconcile lock: a slow Prometheus must not hold up reconciles.
     result = autoscale_tick(spec=spec, status=old_status, namespace=namespace, name=name,
-                            counts=_counts(kube, owner), signals=signals, clock=clock, state=state, external=external)
+                            counts=_counts(kube, owner), signals=signals, clock=clock, state=state, external=external,
+                            interval_s=interval_s)
 
     with resource_lock(namespace, name):
         # Re-read the conditions: a reconcile may have written its own since; keep them.

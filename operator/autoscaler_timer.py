@@ -9,6 +9,13 @@ operator registers it as a kopf timer (default every 15 s) and then:
   - posts `result.events`, and keeps `result.state` for the next tick (kopf memo or status);
   - calls `AutoscalerMetrics.record`.
 With autoscaling disabled on a pool, nothing here touches that pool: its replicas come from spec.
+
+A pool with autoscaling.policy predictive is sized by tandem.operator.predictive_policy from the
+routers' arrival rates (signals.arrival_queries), spec.capacityProfile and spec.slo, then clamped
+to its min/max, the capacity cap after unschedulable pods, and the P:D ratio band, as a reactive
+decision is. Its memory (need history, throughput correction) is kept beside the reactive one in
+autoscalerState.predictive. While an arrival value is missing, or the profile cannot meet the
+SLO, the pool takes the reactive decision instead, and scaleReason and ScalingActive say so.
 """
 
 from __future__ import annotations
@@ -16,12 +23,13 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from tandem.operator import predictive_policy as pp
 from tandem.operator import signals as sig
 from tandem.operator.api import POOLS, DisaggregatedModelSpec, PoolName
 from tandem.operator.autoscaling import (
@@ -35,6 +43,7 @@ from tandem.operator.autoscaling import (
     RatioBand,
     decide,
 )
+from tandem.operator.capacity_model import CapacityError, Profile, Slo
 from tandem.operator.conditions import ConditionValue
 from tandem.operator.replicas import desired_replicas
 from tandem.operator.telemetry import operator_metric
@@ -168,6 +177,170 @@ def ratio_band(spec: DisaggregatedModelSpec) -> RatioBand | None:
     return None if band == RatioBand() else band
 
 
+# ---------------------------------------------------------------- the predictive policy
+
+PREDICTIVE = "predictive"
+REACTIVE_FALLBACK = "ReactiveFallback"
+# The arrival values the predictive policy cannot size without (the others only refine it).
+_NEEDED = (sig.ARRIVAL_PROMPT_TPS, sig.ARRIVAL_PROMPT_TREND, sig.ARRIVAL_REQUEST_RATE, sig.ARRIVAL_OUTPUT_TPS,
+           sig.ARRIVAL_FINISHED_RATE, sig.ARRIVAL_BACKLOG_TOKENS)
+
+
+def predictive_pools(spec: DisaggregatedModelSpec, policies: Mapping[str, PoolPolicy | None]) -> list[PoolName]:
+    """The autoscaled pools whose policy is predictive."""
+    return [p for p in POOLS if policies.get(p) is not None and getattr(spec.pool(p).autoscaling, "policy",
+                                                                         "reactive") == PREDICTIVE]
+
+
+def capacity_profile(spec: DisaggregatedModelSpec) -> Profile | None:
+    """spec.capacityProfile as a capacity_model.Profile (None when unset)."""
+    cp = spec.capacity_profile
+    if cp is None:
+        return None
+    return Profile(cp.prefill_tokens_per_second, cp.kv_tokens, cp.itl_base_seconds, cp.itl_per_request_seconds,
+                   cp.startup_seconds, 1, "spec.capacityProfile")
+
+
+def arrival_load(fetched: sig.PoolSignals) -> tuple[pp.Load | None, str, list[str]]:
+    """The predictive policy's Load from one arrival fetch, or (None, why) when a needed value is missing.
+
+    A value that is absent stays missing: no zero is made up for it (0/0 is missing too, except
+    that with nothing arriving there is no length to know and none needed)."""
+    missing = [f"{n} {fetched.problems.get(n) or 'missing'}" for n in _NEEDED if fetched.get(n) is None]
+    if missing:
+        return None, "; ".join(missing), []
+    v = fetched.values
+    negative = [n for n in _NEEDED if n != sig.ARRIVAL_PROMPT_TREND and v[n] < 0]
+    if negative or not all(math.isfinite(v[n]) for n in _NEEDED):
+        return None, f"invalid arrival values {({n: v[n] for n in _NEEDED})}", []
+    tps, rps = v[sig.ARRIVAL_PROMPT_TPS], v[sig.ARRIVAL_REQUEST_RATE]
+    if rps > 0:
+        mean_prompt = tps / rps
+    elif tps > 0:
+        return None, "prompt tokens arrive but no request reached its first token in the window", []
+    else:
+        mean_prompt = 0.0
+    finished = v[sig.ARRIVAL_FINISHED_RATE]
+    if finished > 0:
+        mean_output = v[sig.ARRIVAL_OUTPUT_TPS] / finished
+    elif rps > 0:
+        return None, "requests arrive but none finished in the window: mean output length unknown", []
+    else:
+        mean_output = 0.0
+    notes: list[str] = []
+    waiting = v.get(sig.ARRIVAL_DECODE_WAITING)
+    if waiting is None:
+        notes.append("decode waiting requests unknown (not counted)")
+        waiting = 0.0
+    busy = v.get(sig.ARRIVAL_PREFILL_BUSY_TPS)
+    return pp.Load(tps, v[sig.ARRIVAL_PROMPT_TREND], rps, mean_prompt, mean_output,
+                   backlog_tokens=v[sig.ARRIVAL_BACKLOG_TOKENS],
+                   kv_waiting_tokens=max(waiting, 0.0) * (mean_prompt + mean_output),
+                   prefill_busy_tps=busy if busy is not None and busy > 0 and math.isfinite(busy) else None), "", notes
+
+
+def predictive_state_to_dict(state: pp.State) -> dict[str, Any]:
+    return {"history": [[t, p, d] for t, p, d in state.history], "throughputFactor": state.throughput_factor,
+            "observedSince": state.observed_since}
+
+
+def predictive_state_from_dict(data: Any) -> pp.State:
+    """Tolerant reader, as PoolState.from_dict: anything malformed starts afresh."""
+    if not isinstance(data, Mapping):
+        return pp.State()
+    try:
+        factor = float(data.get("throughputFactor", 1.0))
+        since = data.get("observedSince")
+        return pp.State(history=tuple((float(t), int(p), int(d)) for t, p, d in data.get("history") or ()),
+                        throughput_factor=factor if math.isfinite(factor) and factor > 0 else 1.0,
+                        observed_since=None if since is None else float(since))
+    except (TypeError, ValueError):
+        return pp.State()
+
+
+def _own_reasons(pool: str, reasons: Iterable[str]) -> list[str]:
+    other = DECODE if pool == PREFILL else PREFILL
+    return [r for r in reasons if not r.startswith(f"{other}:")]
+
+
+@dataclass
+class _Predictive:
+    """One tick's predictive sizing: the inputs, and what it decided per pool (for state and conditions)."""
+
+    pools: list[PoolName]
+    profile: Profile | None
+    slo: Slo
+    load: pp.Load | None
+    missing: str
+    notes: list[str]
+    current: tuple[int, int]
+    now: float
+    interval_s: float
+    states: dict[str, pp.State]
+    fallbacks: dict[str, str] = field(default_factory=dict)
+
+    def adjust(self, pool: str, policy: PoolPolicy, dec: PoolDecision) -> PoolDecision:
+        if pool not in self.pools:
+            return dec
+        if "Unschedulable" in dec.limits and dec.recommendation is None and not dec.metrics_missing:
+            # Pods could not be placed: the reactive rule scales back to what was; arrivals cannot change that.
+            return replace(dec, reasons=("predictive: pods could not be scheduled, the capacity rule decides",
+                                         *dec.reasons))
+        why = self.missing
+        sizes = None
+        if self.profile is None:
+            why = "no spec.capacityProfile"
+        elif self.load is not None:
+            settings = pp.Settings(lookahead_s=self.profile.startup_s + self.interval_s,
+                                   down_window_s=policy.scale_down_stabilization_s,
+                                   min_replicas=policy.min_replicas, max_replicas=10_000)
+            try:
+                sizes = pp.size(self.profile, self.slo, self.load, self.current, self.now, self.states[pool], settings)
+            except CapacityError as exc:
+                why = f"the capacity profile cannot be sized: {exc}"
+        if sizes is None:
+            self.fallbacks[pool] = why
+            return replace(dec, reasons=(f"predictive: {why}; reactive fallback", *dec.reasons))
+        self.states[pool] = sizes.state
+        need = sizes.prefill if pool == PREFILL else sizes.decode
+        value = need
+        limits: list[tuple[str, str]] = []
+        if value > policy.max_replicas:
+            limits.append(("MaxReplicas", f"capped at maxReplicas {policy.max_replicas} (load wants {need})"))
+            value = policy.max_replicas
+        current = dec.current
+        cap = dec.state.capacity_cap
+        if cap is not None and value > max(cap, current):
+            limits.append(("Unschedulable", f"capped at {max(cap, current)}: only {cap} pods could be scheduled "
+                                            "recently"))
+            value = max(cap, current)
+        reasons = ("predictive: " + "; ".join([*_own_reasons(pool, sizes.reasons), *self.notes]),
+                   *(msg for _, msg in limits))
+        return replace(dec, desired=value, recommendation=need, reasons=reasons, metrics_missing=False,
+                       limits=tuple(c for c, _ in limits), limit_notes=tuple(msg for _, msg in limits))
+
+
+def _predictive(spec: DisaggregatedModelSpec, pools: list[PoolName], source: sig.ArrivalSource | None,
+                namespace: str, name: str, current: tuple[int, int], now: float, interval_s: float,
+                state: Mapping[str, Any] | None) -> _Predictive:
+    load: pp.Load | None = None
+    missing, notes = "", list[str]()
+    if source is None:
+        missing = "the signal source has no arrival queries"
+    else:
+        try:
+            fetched = source.fetch_arrivals(namespace, name)
+        except Exception as exc:  # a broken source is missing data, never a crashed timer
+            fetched = sig.PoolSignals({}, {"error": f"signal source failed: {type(exc).__name__}: {exc}"})
+        if "error" in fetched.problems:
+            missing = fetched.problems["error"]
+        else:
+            load, missing, notes = arrival_load(fetched)
+    states: dict[str, pp.State] = {p: predictive_state_from_dict(((state or {}).get(p) or {}).get(PREDICTIVE)) for p in pools}
+    return _Predictive(pools, capacity_profile(spec), Slo(spec.slo.ttft_ms / 1000, spec.slo.itl_ms / 1000), load,
+                       missing, notes, current, now, interval_s, states)
+
+
 @dataclass(frozen=True)
 class ScaleEvent:
     type: str  # Normal | Warning
@@ -225,6 +398,13 @@ def _previous_status(status: Mapping[str, Any] | None, type_: str) -> str | None
     return None
 
 
+def _previous_reason(status: Mapping[str, Any] | None, type_: str) -> str | None:
+    for cond in (status or {}).get("conditions") or []:
+        if cond.get("type") == type_:
+            return str(cond.get("reason"))
+    return None
+
+
 def autoscale_tick(
     *,
     spec: DisaggregatedModelSpec,
@@ -236,11 +416,15 @@ def autoscale_tick(
     clock: Callable[[], float],
     state: Mapping[str, Any] | None = None,
     external: Mapping[str, int | None] | None = None,
+    arrivals: sig.ArrivalSource | None = None,
+    interval_s: float = DEFAULT_INTERVAL_S,
 ) -> TickResult:
     """One autoscaler tick for the DisaggregatedModel `name` in `namespace`. Never raises on bad metrics: it holds.
 
     `external`: each DisaggregatedPool's spec.replicas, the size of a pool in mode external (which
-    the ratio band then treats as fixed, like a pool with autoscaling off).
+    the ratio band then treats as fixed, like a pool with autoscaling off). `arrivals`: where a
+    predictive pool's arrival values come from (default: `signals`, when it has fetch_arrivals).
+    `interval_s`: the timer's interval (the predictive policy looks a pod start plus this ahead).
     """
     now = clock()
     policies: dict[str, PoolPolicy | None] = {}
@@ -275,7 +459,14 @@ def autoscale_tick(
         fetch_problems[pool] = fetched.problems.get(primary) or fetched.problems.get("error") or ""
 
     states: dict[str, PoolState] = {p: PoolState.from_dict((state or {}).get(p)) for p in POOLS}
-    decisions = decide(policies, observations, states, band, now)
+    predictive: _Predictive | None = None
+    if pools := predictive_pools(spec, policies):
+        source = arrivals if arrivals is not None else signals if isinstance(signals, sig.ArrivalSource) else None
+        predictive = _predictive(spec, pools, source, namespace, name,
+                                 (observations[PREFILL].replicas, observations[DECODE].replicas), now, interval_s,
+                                 state)
+    decisions = decide(policies, observations, states, band, now,
+                       predictive.adjust if predictive is not None else None)
     # Held for want of data: the fetch's own reason, or the policy's (e.g. no ready replica yet).
     problems = {p: fetch_problems.get(p) or decisions[p].reasons[0] for p in POOLS
                 if policies[p] is not None and decisions[p].metrics_missing}
@@ -312,11 +503,22 @@ def autoscale_tick(
         active = ConditionValue(SCALING_ACTIVE, "False", "MetricsUnavailable", message[:_MAX_REASON_CHARS])
         if _previous_status(status, SCALING_ACTIVE) != "False":
             events.append(ScaleEvent("Warning", "MetricsUnavailable", active.message))
+    elif predictive is not None and predictive.fallbacks:
+        message = "; ".join(f"{p}: predictive sizing unavailable ({why}), reactive decision used"
+                            for p, why in predictive.fallbacks.items())
+        active = ConditionValue(SCALING_ACTIVE, "True", REACTIVE_FALLBACK, message[:_MAX_REASON_CHARS])
+        if _previous_reason(status, SCALING_ACTIVE) != REACTIVE_FALLBACK:
+            events.append(ScaleEvent("Warning", "PredictiveFallback", active.message))
     else:
         shown = ", ".join(f"{p} {decisions[p].signal:.3g}/{targets[p]:g}" for p in targets
                           if decisions[p].signal is not None)
+        if predictive is not None:
+            shown += "; predictive: " + ", ".join(predictive.pools)
         active = ConditionValue(SCALING_ACTIVE, "True", "ValidMetrics", f"signal/target: {shown}")
     new_state: dict[str, Any] = {p: decisions[p].state.to_dict() for p in POOLS if policies[p] is not None}
+    if predictive is not None:
+        for p in predictive.pools:
+            new_state[p][PREDICTIVE] = predictive_state_to_dict(predictive.states[p])
     return TickResult(desired, status_patch, [active, _limited_condition(
         {p: d for p, d in decisions.items() if policies[p] is not None}, problems)], events, decisions, new_state,
         targets, maxima)
@@ -366,7 +568,9 @@ __all__ = [
     "PoolCounts",
     "ScaleEvent",
     "TickResult",
+    "arrival_load",
     "autoscale_tick",
+    "capacity_profile",
     "count_unschedulable",
     "policy_for",
     "pool_counts",

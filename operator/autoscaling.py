@@ -21,7 +21,7 @@ Then `decide` enforces the P:D ratio band on both pools together.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -434,8 +434,13 @@ def enforce_ratio(band: RatioBand, prefill: PoolDecision, decode: PoolDecision,
 
 
 def decide(policies: Mapping[str, PoolPolicy | None], observations: Mapping[str, PoolObservation],
-           states: Mapping[str, PoolState], band: RatioBand | None, now: float) -> dict[str, PoolDecision]:
-    """Both pools' decisions for one tick. A pool whose policy is None keeps its current size."""
+           states: Mapping[str, PoolState], band: RatioBand | None, now: float,
+           adjust: Callable[[str, PoolPolicy, PoolDecision], PoolDecision] | None = None) -> dict[str, PoolDecision]:
+    """Both pools' decisions for one tick. A pool whose policy is None keeps its current size.
+
+    `adjust` may replace an autoscaled pool's decision before the ratio band (the predictive
+    policy: tandem.operator.autoscaler_timer), given the reactive one.
+    """
     decisions: dict[str, PoolDecision] = {}
     for pool in POOLS:
         obs = observations[pool]
@@ -446,6 +451,8 @@ def decide(policies: Mapping[str, PoolPolicy | None], observations: Mapping[str,
                                            state=states.get(pool, PoolState()))
         else:
             decisions[pool] = decide_pool(pool, policy, obs, states.get(pool, PoolState()), now)
+            if adjust is not None:
+                decisions[pool] = adjust(pool, policy, decisions[pool])
     if band is not None and any(policies.get(p) is not None for p in POOLS):
         decisions[PREFILL], decisions[DECODE] = enforce_ratio(
             band, decisions[PREFILL], decisions[DECODE], policies)

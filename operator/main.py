@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 
 from tandem.operator import api
 from tandem.operator.autoscaler_run import autoscale_resource, signal_source, verify_output
-from tandem.operator.autoscaler_timer import AutoscalerMetrics
+from tandem.operator.autoscaler_timer import DEFAULT_INTERVAL_S, AutoscalerMetrics
 from tandem.operator.builders import MANAGER
 from tandem.operator.kube import Kube, KubeError, load_configuration
 from tandem.operator.network_policy import (
@@ -157,7 +157,10 @@ def autoscale(namespace: str | None, name: str, memo: kopf.Memo, **_: Any) -> No
     sets the OutputVerified condition (the output canary), from the same Prometheus."""
     ns = namespace or ""
     try:
-        outcome = autoscale_resource(_client(), ns, name, memo.signals, _emit, memo.autoscaler_metrics)
+        options = memo.get("options")
+        interval = options.autoscale_interval if isinstance(options, OperatorOptions) else DEFAULT_INTERVAL_S
+        outcome = autoscale_resource(_client(), ns, name, memo.signals, _emit, memo.autoscaler_metrics,
+                                     interval_s=interval)
         verify_output(_client(), ns, name, memo.signals, _emit)
     except KubeError as exc:
         raise kopf.TemporaryError(f"autoscaler: {exc}", delay=RETRY_SECONDS) from exc

@@ -7,9 +7,10 @@ It scales ahead of a rising trend by the pod start time, scales down only to the
 of a recent window, and corrects the profile's prefill throughput from what busy replicas
 actually did, so a wrong profile corrects itself.
 
-Pure: the caller passes the time and the previous state. Used by the load-model simulation
-(hack/load_model.py); the operator does not call it yet (its Prometheus queries for arrival
-rates are not built).
+Pure: the caller passes the time and the previous state. The operator's timer body
+(tandem.operator.autoscaler_timer) runs it for pools with autoscaling.policy predictive, from the
+arrival queries of tandem.operator.signals; the load-model simulation (hack/load_model.py) runs
+that same timer body.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from tandem.worker import metrics as m
 
@@ -23,6 +23,19 @@ QUEUE_REQUESTS = "queue_requests"  # prefill: queued requests per ready replica
 QUEUE_TOKENS = "queue_tokens"  # prefill: queued prompt tokens per ready replica
 KV_USAGE = "kv_usage"  # decode: KV-cache usage ratio per ready replica
 LATENCY_P = "latency_quantile"  # prefill: TTFT, decode: ITL, in seconds
+
+# The names of the values one arrival fetch returns (the predictive policy's Load; one per resource).
+ARRIVAL_PROMPT_TPS = "prompt_tps"  # prompt tokens/s arriving at the routers
+ARRIVAL_PROMPT_TREND = "prompt_tps_trend"  # deriv() of that rate, (tokens/s)/s
+ARRIVAL_REQUEST_RATE = "request_rate"  # requests/s reaching their first token at the routers
+ARRIVAL_OUTPUT_TPS = "output_tps"  # tokens/s the routers stream out
+ARRIVAL_FINISHED_RATE = "finished_rate"  # requests/s finishing at the routers (not reason error)
+ARRIVAL_BACKLOG_TOKENS = "backlog_tokens"  # prompt tokens queued for prefill, whole prefill pool
+ARRIVAL_DECODE_WAITING = "decode_waiting"  # requests admitted on decode, waiting for KV or a slot (optional)
+ARRIVAL_PREFILL_BUSY_TPS = "prefill_busy_tps"  # prompt tokens/s per ready prefill replica, only while busy (optional)
+# Optional: missing leaves the predictive policy's term out (with a note); the others are needed.
+ARRIVAL_OPTIONAL = frozenset({ARRIVAL_DECODE_WAITING, ARRIVAL_PREFILL_BUSY_TPS})
+ROUTER_POOL = "router"  # the routers' pool label (worker/router/telemetry.py)
 
 _DURATION = re.compile(r"^[0-9]+(ms|s|m|h)$")
 
@@ -85,12 +98,16 @@ def _escape(value: str) -> str:
 class QuerySettings:
     quantile: float = 0.9
     rate_window: str = "1m"  # at least 4 scrape intervals
+    trend_window: str = "2m"  # deriv() of the arrival rate over this subquery range
+    trend_step: str = "15s"  # the subquery's resolution (about one scrape interval)
 
     def __post_init__(self) -> None:
         if not 0 < self.quantile < 1:
             raise SignalsError(f"quantile must be in (0, 1) (got {self.quantile})")
-        if not _DURATION.match(self.rate_window):
-            raise SignalsError(f"rate window must look like 30s, 1m or 2h (got {self.rate_window!r})")
+        for what, value in (("rate", self.rate_window), ("trend", self.trend_window),
+                            ("trend step", self.trend_step)):
+            if not _DURATION.match(value):
+                raise SignalsError(f"{what} window must look like 30s, 1m or 2h (got {value!r})")
 
 
 def per_ready_replica(metric: m.MetricDef, sel: Selector) -> str:
@@ -131,6 +148,46 @@ def pool_queries(pool: str, sel: Selector, settings: QuerySettings = QuerySettin
     raise SignalsError(f"unknown pool {pool!r}: expected {PREFILL!r} or {DECODE!r}")
 
 
+def summed_rate(metric: m.MetricDef, sel: Selector, settings: QuerySettings, *, suffix: str = "_total",
+                extra: str = "") -> str:
+    """sum(rate(counter[window])) over the selector's series (`extra`: more matchers, e.g. reason!="error")."""
+    if metric.kind not in ("counter", "histogram"):
+        raise SignalsError(f"{metric.name} is a {metric.kind}, not a counter or histogram")
+    matchers = sel.matchers()
+    if extra:
+        matchers = matchers[:-1] + "," + extra + "}"
+    return f"sum(rate({metric.name}{suffix}{matchers}[{settings.rate_window}]))"
+
+
+def arrival_queries(namespace: str, resource: str, settings: QuerySettings = QuerySettings()) -> dict[str, str]:
+    """Every query the predictive policy needs for one DisaggregatedModel, by value name.
+
+    Arrivals are what the routers (pool="router") count: prompt tokens when a request starts
+    (tandem_prompt_tokens_total), requests when their first token comes (the TTFT histogram's
+    count, so within the TTFT of arrival), streamed tokens and finished requests for the mean
+    output length. The backlog is the prefill pool's queued prompt tokens; the busy throughput is
+    the prefill workers' prompt tokens per ready replica, only when every replica's queue stayed
+    non-empty through the window (otherwise the series is absent: missing, not zero).
+    """
+    router = Selector(namespace, resource, ROUTER_POOL)
+    prefill = Selector(namespace, resource, PREFILL)
+    decode = Selector(namespace, resource, DECODE)
+    prompt = summed_rate(m.PROMPT_TOKENS, router, settings)
+    ready = f"sum({m.exposed_name(m.WORKER_READY)}{prefill.matchers()})"
+    busy = (f"min_over_time(min({m.exposed_name(m.PREFILL_QUEUE_REQUESTS)}{prefill.matchers()})"
+            f"[{settings.rate_window}:{settings.trend_step}]) > 0")
+    return {
+        ARRIVAL_PROMPT_TPS: prompt,
+        ARRIVAL_PROMPT_TREND: f"deriv(({prompt})[{settings.trend_window}:{settings.trend_step}])",
+        ARRIVAL_REQUEST_RATE: summed_rate(m.TTFT, router, settings, suffix="_count"),
+        ARRIVAL_OUTPUT_TPS: summed_rate(m.GENERATION_TOKENS, router, settings),
+        ARRIVAL_FINISHED_RATE: summed_rate(m.REQUESTS, router, settings, extra=f'{m.LABEL_REASON}!="error"'),
+        ARRIVAL_BACKLOG_TOKENS: f"sum({m.exposed_name(m.PREFILL_QUEUE_TOKENS)}{prefill.matchers()})",
+        ARRIVAL_DECODE_WAITING: f"sum({m.exposed_name(m.WAITING_REQUESTS)}{decode.matchers()})",
+        ARRIVAL_PREFILL_BUSY_TPS: f"({summed_rate(m.PROMPT_TOKENS, prefill, settings)} / {ready}) and on() ({busy})",
+    }
+
+
 def scalar_from_result(result: Sequence[Mapping[str, Any]]) -> tuple[float | None, str | None]:
     """One number from an instant-vector result, or (None, why) when there is none to trust."""
     if not result:
@@ -164,6 +221,13 @@ class SignalSource(Protocol):
     def fetch(self, pool: str, sel: Selector) -> PoolSignals: ...
 
 
+@runtime_checkable
+class ArrivalSource(Protocol):
+    """A source of the predictive policy's arrival values (PrometheusSignals has both methods)."""
+
+    def fetch_arrivals(self, namespace: str, resource: str) -> PoolSignals: ...
+
+
 class _QueryClient(Protocol):
     def custom_query(self, query: str, params: dict[str, Any] | None = None,
                      timeout: int | None = None) -> list[dict[str, Any]]: ...
@@ -191,16 +255,23 @@ class PrometheusSignals:
         return self._client.custom_query(promql)
 
     def fetch(self, pool: str, sel: Selector) -> PoolSignals:
+        return self._fetch_all(pool_queries(pool, sel, self._settings), frozenset({LATENCY_P}))
+
+    def fetch_arrivals(self, namespace: str, resource: str) -> PoolSignals:
+        """The predictive policy's values for one resource (arrival_queries), missing on any failure."""
+        return self._fetch_all(arrival_queries(namespace, resource, self._settings), ARRIVAL_OPTIONAL)
+
+    def _fetch_all(self, queries: Mapping[str, str], optional: frozenset[str]) -> PoolSignals:
         values: dict[str, float] = {}
         problems: dict[str, str] = {}
-        for name, query in pool_queries(pool, sel, self._settings).items():
+        for name, query in queries.items():
             try:
                 result = self._client.custom_query(query)
             except Exception as exc:  # connection, timeout, HTTP status, bad JSON: all "missing"
                 problems[name] = f"Prometheus at {self.url} failed: {type(exc).__name__}: {exc}"[:300]
-                if name != LATENCY_P:
+                if name not in optional:
                     # Prometheus is down or refusing: the other queries would fail the same way.
-                    for other in pool_queries(pool, sel, self._settings):
+                    for other in queries:
                         if other not in values and other not in problems:
                             problems[other] = "skipped after an earlier query failed"
                     break
@@ -224,6 +295,9 @@ class NoSignals:
 
     def fetch(self, pool: str, sel: Selector) -> PoolSignals:
         return PoolSignals({}, {name: self.why for name in pool_queries(pool, sel)})
+
+    def fetch_arrivals(self, namespace: str, resource: str) -> PoolSignals:
+        return PoolSignals({}, {name: self.why for name in arrival_queries(namespace, resource)})
 
     def query(self, promql: str) -> list[dict[str, Any]]:
         raise SignalsUnavailable(self.why)

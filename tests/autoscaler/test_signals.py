@@ -123,3 +123,82 @@ def test_no_prometheus_configured_is_missing_with_the_reason() -> None:
     got = s.NoSignals().fetch(s.PREFILL, SEL)
     assert got.values == {}
     assert "--prometheus-url" in got.problems[s.QUEUE_REQUESTS]
+
+
+# ---------------------------------------------------------------- the predictive policy's arrival queries
+
+ROUTER = '{namespace="team-a",tandem_dev_model="llama-8b",pool="router"}'
+PREFILL_LABELS = '{namespace="team-a",tandem_dev_model="llama-8b",pool="prefill"}'
+
+
+def test_arrival_queries_read_the_routers_counters_keyed_on_the_resource() -> None:
+    q = s.arrival_queries("team-a", "llama-8b")
+    prompt = f"sum(rate({m.PROMPT_TOKENS.name}_total{ROUTER}[1m]))"
+    assert q[s.ARRIVAL_PROMPT_TPS] == prompt
+    assert q[s.ARRIVAL_PROMPT_TREND] == f"deriv(({prompt})[2m:15s])"
+    assert q[s.ARRIVAL_REQUEST_RATE] == f"sum(rate({m.TTFT.name}_count{ROUTER}[1m]))"
+    assert q[s.ARRIVAL_OUTPUT_TPS] == f"sum(rate({m.GENERATION_TOKENS.name}_total{ROUTER}[1m]))"
+    assert q[s.ARRIVAL_FINISHED_RATE] == (f'sum(rate({m.REQUESTS.name}_total{ROUTER[:-1]},reason!="error"}}[1m]))')
+    assert q[s.ARRIVAL_BACKLOG_TOKENS] == f"sum({m.PREFILL_QUEUE_TOKENS.name}{PREFILL_LABELS})"
+    assert q[s.ARRIVAL_DECODE_WAITING] == (
+        f'sum({m.WAITING_REQUESTS.name}{{namespace="team-a",tandem_dev_model="llama-8b",pool="decode"}})')
+    assert q[s.ARRIVAL_PREFILL_BUSY_TPS] == (
+        f"(sum(rate({m.PROMPT_TOKENS.name}_total{PREFILL_LABELS}[1m])) / sum({m.WORKER_READY.name}{PREFILL_LABELS}))"
+        f" and on() (min_over_time(min({m.PREFILL_QUEUE_REQUESTS.name}{PREFILL_LABELS})[1m:15s]) > 0)")
+    assert set(q) >= s.ARRIVAL_OPTIONAL
+
+
+def test_arrival_query_windows_come_from_the_settings_and_are_checked() -> None:
+    q = s.arrival_queries("ns", "m", s.QuerySettings(rate_window="30s", trend_window="5m", trend_step="10s"))
+    assert q[s.ARRIVAL_PROMPT_TREND].endswith("[30s])))[5m:10s])")
+    with pytest.raises(s.SignalsError, match="trend window"):
+        s.QuerySettings(trend_window="two minutes")
+    with pytest.raises(s.SignalsError, match="empty"):
+        s.arrival_queries("", "m")
+
+
+class _Client:
+    """A prometheus-api-client stand-in: a value per query name, or an exception."""
+
+    def __init__(self, answers: dict[str, Any]) -> None:
+        self.answers, self.asked = answers, list[str]()
+
+    def custom_query(self, query: str, params: dict[str, Any] | None = None,
+                     timeout: int | None = None) -> list[dict[str, Any]]:
+        self.asked.append(query)
+        for name, promql in s.arrival_queries("team-a", "llama-8b").items():
+            if promql == query:
+                answer = self.answers.get(name, [])
+                if isinstance(answer, Exception):
+                    raise answer
+                return list(answer)
+        raise AssertionError(query)
+
+
+def _sample(value: str) -> list[dict[str, Any]]:
+    return [{"metric": {}, "value": [0, value]}]
+
+
+def test_fetch_arrivals_missing_values_stay_missing_and_an_optional_failure_skips_nothing() -> None:
+    answers: dict[str, Any] = {name: _sample("2") for name in s.arrival_queries("team-a", "llama-8b")}
+    answers[s.ARRIVAL_PREFILL_BUSY_TPS] = []  # not busy: the `and` drops the series
+    answers[s.ARRIVAL_DECODE_WAITING] = RuntimeError("boom")
+    answers[s.ARRIVAL_OUTPUT_TPS] = _sample("NaN")
+    got = s.PrometheusSignals("http://prom", client=_Client(answers)).fetch_arrivals("team-a", "llama-8b")
+    assert got.get(s.ARRIVAL_PROMPT_TPS) == 2.0 and got.get(s.ARRIVAL_FINISHED_RATE) == 2.0
+    for name in (s.ARRIVAL_PREFILL_BUSY_TPS, s.ARRIVAL_DECODE_WAITING, s.ARRIVAL_OUTPUT_TPS):
+        assert got.get(name) is None and name in got.problems
+    assert "no series" in got.problems[s.ARRIVAL_PREFILL_BUSY_TPS]
+
+
+def test_fetch_arrivals_stops_after_a_needed_query_fails() -> None:
+    client = _Client({s.ARRIVAL_PROMPT_TPS: ConnectionError("refused")})
+    got = s.PrometheusSignals("http://prom", client=client).fetch_arrivals("team-a", "llama-8b")
+    assert got.values == {} and len(client.asked) == 1
+    assert "refused" in got.problems[s.ARRIVAL_PROMPT_TPS]
+    assert got.problems[s.ARRIVAL_BACKLOG_TOKENS] == "skipped after an earlier query failed"
+
+
+def test_no_prometheus_configured_has_no_arrivals_either() -> None:
+    got = s.NoSignals().fetch_arrivals("ns", "m")
+    assert got.values == {} and "--prometheus-url" in got.problems[s.ARRIVAL_PROMPT_TPS]

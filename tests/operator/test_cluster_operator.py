@@ -214,14 +214,17 @@ def test_invalid_resource_is_refused_by_the_api_server(testbed: Bed, invalid_cas
 ACCEPTED_EDGES = {
     "prefill": {"shmSize": "0.5Gi", "env": [{"name": "A", "value": "1"}, {"name": "B", "value": "1"}],
                 "nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3", "tier": ""}},
-    "decode": {"shmSize": 1073741824, "nodeSelector": {"kubernetes.io/hostname": "node-1"}},
+    "decode": {"shmSize": 1073741824, "nodeSelector": {"kubernetes.io/hostname": "node-1"},
+               "autoscaling": {"enabled": True, "policy": "predictive"}},  # with the profile below
     "router": {"env": [{"name": "A", "value": "1"}], "nodeSelector": {"a.b-c.example/x_y.z": "v"}},
+    "capacityProfile": {"prefillTokensPerSecond": 8000, "kvTokens": 160000, "itlBaseSeconds": 0.015,
+                        "itlPerRequestSeconds": 0, "startupSeconds": 0},
 }
 
 
 def test_valid_neighbours_of_the_refused_values_are_accepted(testbed: Bed,
                                                              sample: Callable[[str], dict[str, Any]]) -> None:
-    """The env, nodeSelector and shmSize rules refuse only what they should (checked by pydantic too)."""
+    """The env, nodeSelector, shmSize and predictive-profile rules refuse only what they should (checked by pydantic too)."""
     from tandem.operator.reconcile import parse_spec
 
     body = resource(sample, "edges", **{k: {**sample("minimal")["spec"].get(k, {}), **v} for k, v in ACCEPTED_EDGES.items()})
