@@ -154,3 +154,62 @@ def test_decisions_follow_the_prefill_queue_and_the_decode_kv_cache(stack: dict[
             break
         assert time.monotonic() < deadline, f"signals did not fall back after the burst: {after}"
         time.sleep(0.5)
+
+
+def predictive_spec() -> DisaggregatedModelSpec:
+    """Both pools on the predictive policy, sized with the tiny model's shipped CPU profile."""
+    profile = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "profiles" / "tiny-cpu.json").read_text())
+    auto = {"enabled": True, "maxReplicas": 8, "policy": "predictive"}
+    return DisaggregatedModelSpec.model_validate({
+        "model": {"name": MODEL, "source": {"path": "/models/tiny"}},
+        "prefill": {"replicas": 1, "autoscaling": auto}, "decode": {"replicas": 1, "autoscaling": auto},
+        "capacityProfile": {"prefillTokensPerSecond": profile["prefill_tps"], "kvTokens": profile["kv_tokens"],
+                            "itlBaseSeconds": profile["itl_base_s"], "itlPerRequestSeconds": profile["itl_per_seq_s"],
+                            "startupSeconds": profile["startup_s"]},
+    })
+
+
+def test_the_predictive_policy_reads_real_arrivals(stack: dict[str, Any], prometheus: Any, tmp_path: Path) -> None:
+    """The arrival queries (signals.arrival_queries) against a real Prometheus scraping the real router and
+    workers, with the pool labels a Kubernetes scrape gives (here set per target: `tandem serve` labels every
+    worker pool="local"). While `tandem bench` runs, the timer sizes both pools predictively, not on the
+    reactive fallback, and the lengths it infers are the bench's."""
+    procs = {p["role"]: p["url"].removeprefix("http://") for p in stack["processes"]}
+    labels = {"namespace": NAMESPACE, m.LABEL_RESOURCE: RESOURCE}
+    prom = prometheus([procs["router"]], extra_labels=labels, scrape_interval="500ms",
+                      more_targets=[([procs["prefill"]], {**labels, m.LABEL_POOL: "prefill"}),
+                                    ([procs["decode"]], {**labels, m.LABEL_POOL: "decode"})])
+    source = sig.PrometheusSignals(prom.url, timeout_s=3, settings=sig.QuerySettings(
+        rate_window="10s", trend_window="20s", trend_step="1s"))
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "tandem.worker.cli", "bench", "--url", stack["url"], "--model", MODEL,
+         "-n", "60", "--rate", "4", "--prompt-tokens", "256", "--output-tokens", "32",
+         "--max-duration", "90", "--json", str(tmp_path / "bench.json")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    counts = {"prefill": t.PoolCounts(1), "decode": t.PoolCounts(1)}
+    sized: list[str] = []
+    arrivals: list[sig.PoolSignals] = []
+    try:
+        while bench.poll() is None:
+            result = t.autoscale_tick(spec=predictive_spec(), status=None, namespace=NAMESPACE, name=RESOURCE,
+                                      counts=counts, signals=source, clock=time.time)
+            reason = "; ".join(result.decisions["prefill"].reasons)
+            if reason.startswith("predictive: arriving"):
+                sized.append(reason)
+                arrivals.append(source.fetch_arrivals(NAMESPACE, RESOURCE))
+            time.sleep(0.5)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        out = bench.communicate()[0]
+    assert bench.returncode == 0, out[-2000:]
+    assert sized, f"the timer never sized predictively; last reason: {reason}"
+    done = [a.values for a in arrivals if a.values.get(sig.ARRIVAL_REQUEST_RATE, 0) > 0
+            and a.values.get(sig.ARRIVAL_FINISHED_RATE, 0) > 0]
+    assert done, arrivals[-3:]
+    last = done[-1]
+    mean_prompt = last[sig.ARRIVAL_PROMPT_TPS] / last[sig.ARRIVAL_REQUEST_RATE]
+    mean_output = last[sig.ARRIVAL_OUTPUT_TPS] / last[sig.ARRIVAL_FINISHED_RATE]
+    assert 128 < mean_prompt < 512, f"mean prompt {mean_prompt:.0f} tokens from Prometheus, the bench sends ~256"
+    assert 16 < mean_output < 64, f"mean output {mean_output:.0f} tokens from Prometheus, the bench asks for 32"
+    assert sig.ARRIVAL_BACKLOG_TOKENS in last, "the prefill pool's backlog was not read"
