@@ -89,3 +89,25 @@ def test_the_plan_for_a_trace_meets_the_slo_when_simulated(load_model: ModuleTyp
     args = load_model.build_parser().parse_args(["simulate", "--trace", sim_trace, *scale])
     run = load_model.simulate(args, static=sizes)
     assert run["sloAttainment"] >= 0.99, (sizes, run["sloAttainment"])
+
+
+def test_a_trace_plan_reports_its_length_quantiles_and_the_prompts_no_replica_count_serves_in_time(
+        profile: Path) -> None:
+    from tandem.operator.capacity_model import Profile, Slo
+    from tandem.worker.commands.plan import Load, quantiles, tail_warnings
+
+    assert quantiles(list(range(1, 101))) == (50.0, 90.0, 99.0)
+    code, out = plan("--profile", str(profile), "--trace", "mooncake", "--length-scale", "0.25", "--ttft-ms", "2000",
+                     "--itl-ms", "100")
+    assert code == 0, out
+    line = next(x for x in out.splitlines() if x.startswith("lengths"))
+    p50, p90, p99 = (float(v) for v in line.split("p50/p90/p99 ")[1].split(",")[0].split("/"))
+    assert p50 <= p90 <= p99
+    slow = Profile.from_dict({**json.loads(profile.read_text()), "prefill_tps": p90 / 1.0})  # the p90 prompt: 1 s
+    warned = tail_warnings(Load(1.0, p50, 10.0, "test", (p50, p90, p99), (10.0, 10.0, 10.0)), slow, Slo(0.5, 0.1))
+    assert len(warned) == 2 and "the p90 prompt" in warned[0] and "at any replica count" in warned[0]
+    assert tail_warnings(Load(1.0, p50, 10.0, "test", (p50, p90, p99), (10.0, 10.0, 10.0)), slow, Slo(1e3, 0.1)) == []
+    code, given = plan("--profile", str(profile), "--rate", "1", "--isl", "100", "--osl", "10", "--isl-p99", "1e9",
+                       "--ttft-ms", "500", "--itl-ms", "100")
+    assert code == 0, given
+    assert "warning      the p99 prompt (1000000000 tokens)" in given

@@ -9,8 +9,9 @@ busiest --window seconds.
 
 from __future__ import annotations
 
+import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,40 @@ class Load:
     mean_prompt: float
     mean_output: float
     what: str
+    # The length distributions, where known: (p50, p90, p99) of the prompt and the output tokens.
+    prompt_quantiles: tuple[float, float, float] | None = None
+    output_quantiles: tuple[float, float, float] | None = None
+
+
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+def quantiles(values: list[int]) -> tuple[float, float, float]:
+    """(p50, p90, p99), nearest rank."""
+    ordered = sorted(values)
+    q = [ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered)) - 1))] for p in QUANTILES]
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def with_lengths(load: Load, rows: list[tuple[float, int, int]]) -> Load:
+    """`load` with the prompt and output length quantiles of `rows`."""
+    return replace(load, prompt_quantiles=quantiles([r[1] for r in rows]),
+                   output_quantiles=quantiles([r[2] for r in rows]))
+
+
+def tail_warnings(load: Load, profile: Profile, slo: Slo) -> list[str]:
+    """What the means hide: a long prompt's prefill alone, on one replica, may take longer than the TTFT
+    SLO (whatever the replica count: more replicas do not make one prompt faster)."""
+    if load.prompt_quantiles is None:
+        return []
+    out = []
+    for name, tokens in zip(("p90", "p99"), load.prompt_quantiles[1:], strict=True):
+        alone = tokens / profile.prefill_tps
+        if alone > slo.ttft_s:
+            out.append(f"the {name} prompt ({tokens:.0f} tokens) takes {alone:.2f} s to prefill on one replica, "
+                       f"more than the TTFT SLO ({slo.ttft_s * 1000:.0f} ms): those requests miss it at any "
+                       f"replica count (a faster replica, or tensor parallelism, is what helps)")
+    return out
 
 
 def busiest_window(arrivals: list[tuple[float, int, int]], window_s: float, absorb_s: float = 0.0) -> Load:
@@ -85,8 +120,8 @@ def busiest_window(arrivals: list[tuple[float, int, int]], window_s: float, abso
         if tokens > best_tokens:
             best, best_tokens = (lo, hi), tokens
     chunk = arrivals[best[0]:best[1] + 1]
-    return Load(len(chunk) / (window + absorb_s), sum(r[1] for r in chunk) / len(chunk),
-                sum(r[2] for r in chunk) / len(chunk), f"busiest {window:g} s of the trace")
+    return with_lengths(Load(len(chunk) / (window + absorb_s), sum(r[1] for r in chunk) / len(chunk),
+                             sum(r[2] for r in chunk) / len(chunk), f"busiest {window:g} s of the trace"), chunk)
 
 
 # Burst lengths a trace is examined at: the sizing takes the one that needs the most.
@@ -102,8 +137,8 @@ def peak_load(arrivals: list[tuple[float, int, int]], ttft_s: float, windows: tu
 def mean_load(arrivals: list[tuple[float, int, int]]) -> Load:
     span = max(a[0] for a in arrivals) - min(a[0] for a in arrivals)
     n = len(arrivals)
-    return Load(n / span if span > 0 else float(n), sum(a[1] for a in arrivals) / n, sum(a[2] for a in arrivals) / n,
-                "whole trace")
+    return with_lengths(Load(n / span if span > 0 else float(n), sum(a[1] for a in arrivals) / n,
+                             sum(a[2] for a in arrivals) / n, "whole trace"), arrivals)
 
 
 def read_trace(name: str, time_scale: float, length_scale: float) -> list[tuple[float, int, int]]:
@@ -131,9 +166,14 @@ def pool_yaml(peak: PoolPlan, base: PoolPlan, slo: Slo) -> dict[str, Any]:
 
 
 def describe(result: PoolPlan, load: Load, profile: Profile, slo: Slo) -> str:
+    lengths = []
+    if load.prompt_quantiles is not None and load.output_quantiles is not None:
+        lengths = [f"lengths      prompt p50/p90/p99 {'/'.join(f'{q:.0f}' for q in load.prompt_quantiles)}, "
+                   f"output {'/'.join(f'{q:.0f}' for q in load.output_quantiles)} tokens"]
     return "\n".join([
         f"load         {load.rate:.3g} req/s ({load.what}), mean prompt {load.mean_prompt:.0f}, "
         f"mean output {load.mean_output:.0f} tokens",
+        *lengths,
         f"profile      {profile.source}: prefill {profile.prefill_tps:.0f} tok/s, KV {profile.kv_tokens:.0f} tokens, "
         f"ITL {profile.itl_base_s * 1000:.1f} ms + {profile.itl_per_seq_s * 1000:.3f} ms/request",
         f"prefill      {result.prefill} replicas (busy {result.prefill_utilization:.0%} at this load)",
@@ -144,6 +184,7 @@ def describe(result: PoolPlan, load: Load, profile: Profile, slo: Slo) -> str:
         f"goodput      {result.goodput_rps:.3g} req/s within TTFT {slo.ttft_s * 1000:.0f} ms and "
         f"ITL {slo.itl_s * 1000:.0f} ms",
         f"bottleneck   {result.bottleneck}",
+        *(f"warning      {w}" for w in tail_warnings(load, profile, slo)),
     ])
 
 
@@ -163,12 +204,15 @@ def describe(result: PoolPlan, load: Load, profile: Profile, slo: Slo) -> str:
 @click.option("--rate", type=float, help="Without --trace: requests/s.")
 @click.option("--isl", type=float, help="Without --trace: mean prompt tokens.")
 @click.option("--osl", type=float, help="Without --trace: mean output tokens.")
+@click.option("--isl-p90", type=float, help="Without --trace: the 90th-percentile prompt, for the tail check.")
+@click.option("--isl-p99", type=float, help="Without --trace: the 99th-percentile prompt, for the tail check.")
 @click.option("--ttft-ms", type=float, default=2000.0, show_default=True)
 @click.option("--itl-ms", type=float, default=100.0, show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["text", "yaml"]), default="text", show_default=True)
 def command(profile_path: Path | None, gpu: str | None, params_b: float | None, kv_bytes_per_token: float,
             trace: str | None, time_scale: float, length_scale: float, window: float | None, rate: float | None,
-            isl: float | None, osl: float | None, ttft_ms: float, itl_ms: float, fmt: str) -> None:
+            isl: float | None, osl: float | None, isl_p90: float | None, isl_p99: float | None, ttft_ms: float,
+            itl_ms: float, fmt: str) -> None:
     """Size the prefill and decode pools for a load and TTFT/ITL SLOs."""
     try:
         slo = Slo(ttft_ms / 1000, itl_ms / 1000)
@@ -183,6 +227,9 @@ def command(profile_path: Path | None, gpu: str | None, params_b: float | None, 
             base = mean_load(rows)
         elif rate and isl and osl:
             load = base = Load(rate, isl, osl, "given")
+            if isl_p90 or isl_p99:  # the tail check needs only the prompt's
+                tail = (isl, isl_p90 or isl, isl_p99 or isl_p90 or isl)
+                load = base = replace(load, prompt_quantiles=tail, output_quantiles=(osl, osl, osl))
         else:
             raise click.UsageError("give --trace, or all of --rate, --isl and --osl")
         if profile_path:
@@ -199,6 +246,8 @@ def command(profile_path: Path | None, gpu: str | None, params_b: float | None, 
         import yaml
 
         click.echo(f"# tandem plan: {load.what}, {load.rate:.3g} req/s; {profile.source}")
+        for warning in tail_warnings(load, profile, slo):
+            click.echo(f"# warning: {warning}")
         click.echo(yaml.safe_dump(pool_yaml(peak, low, slo), sort_keys=False).rstrip())
     else:
         click.echo(describe(peak, load, profile, slo))
