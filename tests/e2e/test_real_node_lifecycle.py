@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -155,6 +156,37 @@ def test_autoscaler_adds_a_prefill_worker_on_real_queue_depth(setup: Any, steady
                         "--field-selector", f"involvedObject.name={setup.name},reason=ScaledUp")["items"]
     assert any("prefill 1 -> 2" in e["message"] for e in events), [e["message"] for e in events]
     wait_pool(setup, "prefill", 1, timeout=300)
+
+
+def test_the_predictive_policy_sizes_prefill_from_the_routers_arrivals(setup: Any, steady_load: Any) -> None:
+    """The prefill pool on `policy: predictive` with a capacity profile of 100 prompt tokens/s per replica
+    (far below what a tiny-model worker does, so that the 8 clients' arrivals need more than one): the
+    operator reads the router's arrival series from Prometheus, sizes the pool from them (the scale reason
+    says predictive, not the reactive fallback) and adds a worker; once the load stops it scales back."""
+    profile = {"prefillTokensPerSecond": 100, "kvTokens": 131072, "itlBaseSeconds": 0.002,
+               "itlPerRequestSeconds": 0.0003, "startupSeconds": 30}
+    setup.kubectl("patch", "disaggregatedmodel", setup.name, "-n", setup.namespace, "--type=merge", "-p",
+                  json.dumps({"spec": {"capacityProfile": profile,
+                                       "prefill": {"autoscaling": {"policy": "predictive"}}}}))
+    try:
+        wait_pool(setup, "prefill", 1)
+
+        def predictive_reason() -> str | None:
+            """The scale reason once the predictive sizing (not the fallback) asks for more than one replica."""
+            reason = str(setup.resource().get("status", {}).get("prefill", {}).get("scaleReason", ""))
+            need = re.search(r"-> (\d+) prefill", reason)
+            return reason if reason.startswith("predictive:") and "fallback" not in reason and need \
+                and int(need.group(1)) >= 2 else None
+
+        with steady_load(clients=8, max_tokens=2, prompt="Autoscale me, " * 40) as load:
+            reason = setup.wait("the prefill pool sized by the predictive policy", predictive_reason, timeout=240)
+            print(f"scale reason: {reason}")
+            wait_pool(setup, "prefill", 2, timeout=300)
+        assert not load.failures, load.failures[:5]
+        wait_pool(setup, "prefill", 1, timeout=300)
+    finally:
+        setup.kubectl("patch", "disaggregatedmodel", setup.name, "-n", setup.namespace, "--type=merge", "-p",
+                      json.dumps({"spec": {"prefill": {"autoscaling": {"policy": "reactive"}}}}))
 
 
 # --- a rolling update ----------------------------------------------------------------------

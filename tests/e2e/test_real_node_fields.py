@@ -13,6 +13,7 @@ node IP, into a node-local cache prepared writable for the workers' uid.
   image pull secret (unused by the kubelet: the images are loaded and imagePullPolicy is Never, which is
   what checks that a named secret does not get in the way).
 - The router carries annotations, labels and a PriorityClass from `spec.router.pod`.
+Its name sorts it before test_real_node_lifecycle.py, whose last test takes the real node down.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def cluster_objects() -> list[dict[str, Any]]:
     return [{"apiVersion": "node.k8s.io/v1", "kind": "RuntimeClass", "metadata": {"name": RUNTIME_CLASS},
              "handler": "runc"},
             {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": PRIORITY_CLASS},
-             "value": PRIORITY, "description": "tests/e2e/test_real_node_pod_fields.py"}]
+             "value": PRIORITY, "description": "tests/e2e/test_real_node_fields.py"}]
 
 
 def pull_secret(ns: str) -> dict[str, Any]:
